@@ -1,0 +1,124 @@
+// Shared helpers for the kdtree CUDA ops. Schemas live in kdtree_ops.py; every .cu file
+// only registers CUDA kernels with TORCH_LIBRARY_IMPL(kdtree, CUDA, m).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAException.h>
+#include <torch/library.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+
+namespace kdtree {
+
+// Argument checks that name the argument and what was expected; run on the host before any
+// launch, so bad input raises instead of reading out of bounds.
+#define KD_CHECK(cond, ...) TORCH_CHECK(cond, "kdtree: ", __VA_ARGS__)
+
+inline void check_cuda(const at::Tensor& t, const char* name, const at::Tensor& like) {
+  KD_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got device ", t.device());
+  KD_CHECK(t.device() == like.device(), name, " must be on ", like.device(), ", got ",
+           t.device());
+}
+
+inline void check_dim(const at::Tensor& t, const char* name, int64_t dim) {
+  KD_CHECK(t.dim() == dim, name, " must have ", dim, " dims, got shape ", t.sizes());
+}
+
+inline void check_dtype(const at::Tensor& t, const char* name, at::ScalarType dtype) {
+  KD_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+}
+
+inline void check_last_contiguous(const at::Tensor& t, const char* name) {
+  KD_CHECK(t.dim() == 0 || t.stride(-1) == 1 || t.size(-1) <= 1, name,
+           " must be contiguous in its last dim, got strides ", t.strides());
+}
+
+inline void check_index(const at::Tensor& t, const char* name) {
+  KD_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, name,
+           " must be int32 or int64, got ", t.scalar_type());
+}
+
+inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+inline int num_sms(const at::Tensor& on) {
+  int dev = on.get_device();
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return sms;
+}
+
+inline unsigned ceil_div(int64_t a, int64_t b) { return static_cast<unsigned>((a + b - 1) / b); }
+
+template <typename T> struct Vec;  // 16-byte vector of T and its float conversions
+template <> struct Vec<float> {
+  static constexpr int N = 4;
+  __device__ static void to_float(const uint4& v, float* f) {
+    f[0] = __uint_as_float(v.x); f[1] = __uint_as_float(v.y);
+    f[2] = __uint_as_float(v.z); f[3] = __uint_as_float(v.w);
+  }
+  __device__ static uint4 from_float(const float* f) {
+    return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]),
+                      __float_as_uint(f[3]));
+  }
+};
+template <typename H, typename H2, H2 (*Pack)(float2), float2 (*Unpack)(H2)> struct Vec16 {
+  static constexpr int N = 8;
+  __device__ static void to_float(const uint4& v, float* f) {
+    const H2* h = reinterpret_cast<const H2*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float2 x = Unpack(h[i]);
+      f[2 * i] = x.x; f[2 * i + 1] = x.y;
+    }
+  }
+  __device__ static uint4 from_float(const float* f) {
+    uint4 v;
+    H2* h = reinterpret_cast<H2*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = Pack(make_float2(f[2 * i], f[2 * i + 1]));
+    return v;
+  }
+};
+__device__ inline __nv_bfloat162 pack_bf16(float2 x) { return __float22bfloat162_rn(x); }
+__device__ inline float2 unpack_bf16(__nv_bfloat162 x) { return __bfloat1622float2(x); }
+__device__ inline __half2 pack_f16(float2 x) { return __float22half2_rn(x); }
+__device__ inline float2 unpack_f16(__half2 x) { return __half22float2(x); }
+template <> struct Vec<__nv_bfloat16>
+    : Vec16<__nv_bfloat16, __nv_bfloat162, pack_bf16, unpack_bf16> {};
+template <> struct Vec<__half> : Vec16<__half, __half2, pack_f16, unpack_f16> {};
+
+__device__ inline float to_float(float x) { return x; }
+__device__ inline float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ inline float to_float(__half x) { return __half2float(x); }
+template <typename T> __device__ inline T from_float(float x);
+template <> __device__ inline float from_float<float>(float x) { return x; }
+template <> __device__ inline __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+template <> __device__ inline __half from_float<__half>(float x) { return __float2half_rn(x); }
+
+// Calls f with a value of the CUDA element type matching `dtype` (fp32, bf16, fp16).
+template <typename F> void dispatch_float(at::ScalarType dtype, const char* name, F&& f) {
+  switch (dtype) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(__nv_bfloat16{}); break;
+    case at::kHalf: f(__half{}); break;
+    default: KD_CHECK(false, name, " must be float32, bfloat16 or float16, got ", dtype);
+  }
+}
+
+// Calls f with a value of the CUDA element type for 16-bit attention inputs (bf16, fp16).
+template <typename F> void dispatch_half(at::ScalarType dtype, const char* name, F&& f) {
+  switch (dtype) {
+    case at::kBFloat16: f(__nv_bfloat16{}); break;
+    case at::kHalf: f(__half{}); break;
+    default: KD_CHECK(false, name, " must be bfloat16 or float16, got ", dtype);
+  }
+}
+
+}  // namespace kdtree
