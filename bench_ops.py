@@ -159,6 +159,71 @@ def test_bench_merge_state(benchmark, T, H, D):
 
 # ---- verify attention ----
 
+from test_ops import make_verify_case, rel_err, sglang_flat_mask, verify_args  # noqa: E402
+
+try:
+    from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
+except Exception:  # SGLang's kernels absent: ours are still timed
+    extend_attention_fwd = None
+
+VERIFY_BENCH = [  # (batch, heads, nodes, context)
+    (1, 16, 9, 4096),
+    (1, 16, 9, 32768),
+    (1, 16, 9, 131072),
+    (1, 128, 9, 131072),
+    (1, 128, 65, 32768),
+    (1, 16, 257, 32768),
+    (8, 16, 9, 65536),
+    (1, 16, 1025, 32768),
+]
+
+
+def sglang_verify(case, N):
+    """SGLang 0.5.23's TARGET_VERIFY call for MLA: extend_attention_fwd with the flat mask."""
+    flat, mask_indptr = sglang_flat_mask(case)
+    flat, mask_indptr = flat.cuda(), mask_indptr.cuda()
+    q, kv, tk = case["q"], case["kv_cache"], case["tree_k"]
+    T, H, _ = q.shape
+    k = tk.view(T, 1, 576)
+    v = tk[:, :512].contiguous().view(T, 1, 512)
+    o = torch.empty(T, H, 512, device="cuda", dtype=q.dtype)
+    kv_indices = case["kv_indices"].long()
+
+    def fn():
+        extend_attention_fwd(q, k, v, o, kv.view(-1, 1, 576), kv.view(-1, 1, 576)[..., :512], case["qo_indptr"],
+                             case["kv_indptr"], kv_indices, flat, True, mask_indptr, N, 1.0, 1.0,
+                             sm_scale=case["sm_scale"])
+        return o
+
+    return fn
+
+
+@pytest.mark.parametrize("B,H,N,ctx", VERIFY_BENCH)
+def test_bench_verify_attn(benchmark, B, H, N, ctx):
+    case = make_verify_case([ctx] * B, [N] * B, H)
+    T = B * N
+    out = torch.empty(T, H, 512, device="cuda", dtype=torch.bfloat16)
+    lse = torch.empty(T, H, device="cuda")
+    args = verify_args(case)
+
+    def ours():
+        return kdtree_ops.verify_attn(*args, out=out, lse=lse, max_kv_len=ctx)
+
+    ms = gpu_time_ms(ours, reps=30)
+    nbytes = B * ctx * 1152 + T * H * (576 + 512) * 2
+    flops = B * N * H * (ctx + N) * 2 * (576 + 512)
+    extra = {}
+    if extend_attention_fwd is not None:
+        theirs = sglang_verify(case, N)
+        sg_ms = event_time_ms(theirs, reps=5)
+        extra = {"sglang_ms": sg_ms, "speedup": sg_ms / ms, "err_vs_sglang": rel_err(ours()[0], theirs())}
+        report(None, f"sglang extend_attention_fwd B={B} H={H} N={N} ctx={ctx}", sg_ms, nbytes=nbytes, flops=flops)
+    report(benchmark, f"verify_attn B={B} H={H} N={N} ctx={ctx}", ms, nbytes=nbytes, flops=flops, **extra)
+    run(benchmark, ours)
+    del case
+    torch.cuda.empty_cache()
+
+
 
 # ---- tree ops ----
 

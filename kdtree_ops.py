@@ -365,7 +365,287 @@ def merge_state_(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: t
 
 # ---- verify attention ----
 
+MLA_QK_DIM, MLA_V_DIM = 576, 512
+
+
+def _rows_2d(t: torch.Tensor) -> torch.Tensor:
+    """[S, 576] view of an [S, 576] or [S, 1, 576] latent tensor."""
+    return t.reshape(t.shape[0], t.shape[-1]) if t.dim() == 3 else t
+
+
+def _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask):
+    torch._check(q.dim() == 3 and q.shape[2] == MLA_QK_DIM, lambda: f"kdtree: q must be [T, H, 576], got {tuple(q.shape)}")
+    torch._check(q.dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64),
+                 lambda: f"kdtree: q must be bfloat16 or float16, got {q.dtype}")
+    for name, t in (("kv_cache", kv_cache), ("tree_k", tree_k)):
+        torch._check(
+            (t.dim() == 2 and t.shape[1] == MLA_QK_DIM) or (t.dim() == 3 and t.shape[1] == 1 and t.shape[2] == MLA_QK_DIM),
+            lambda: f"kdtree: {name} must be [S, 576] or [S, 1, 576], got {tuple(t.shape)}",
+        )
+        torch._check(t.dtype == q.dtype, lambda: f"kdtree: {name} must be {q.dtype} like q, got {t.dtype}")
+    torch._check(tree_k.shape[0] == q.shape[0], lambda: f"kdtree: tree_k must have {q.shape[0]} rows like q, got {tree_k.shape[0]}")
+    for name, t in (("kv_indptr", kv_indptr), ("qo_indptr", qo_indptr)):
+        torch._check(t.dim() == 1 and t.dtype == torch.int32, lambda: f"kdtree: {name} must be 1-D int32, got {t.dtype} {tuple(t.shape)}")
+    torch._check(kv_indptr.shape == qo_indptr.shape, lambda: f"kdtree: qo_indptr must have batch + 1 = {kv_indptr.shape[0]} entries like kv_indptr, got {qo_indptr.shape[0]}")
+    torch._check(kv_indices.dim() == 1 and kv_indices.dtype in (torch.int32, torch.int64),
+                 lambda: f"kdtree: kv_indices must be 1-D int32 or int64, got {kv_indices.dtype} {tuple(kv_indices.shape)}")
+    if tree_mask is not None:
+        torch._check(tree_mask.dim() == 2 and tree_mask.dtype == torch.int32 and tree_mask.shape[0] == q.shape[0],
+                     lambda: f"kdtree: tree_mask must be int32 [{q.shape[0]}, ceil(max_nodes/32)], got {tree_mask.dtype} {tuple(tree_mask.shape)}")
+
+
+def _unpack_bits(words: torch.Tensor, n: int) -> torch.Tensor:
+    """[R, W] int32 packed rows -> [R, n] bool (bit j % 32 of word j // 32)."""
+    j = torch.arange(n, device=words.device)
+    have = j // 32 < words.shape[1]
+    w = words[:, (j // 32).clamp_max(max(words.shape[1] - 1, 0))].long() if words.shape[1] else torch.zeros(words.shape[0], n, dtype=torch.long)
+    return ((w >> (j % 32)) & 1).bool() & have
+
+
+def _verify_attn_math(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale):
+    """Reference: per request, softmax over (all prefix keys) + (tree keys under the mask)."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    T, H, _ = q.shape
+    kv, tk = _rows_2d(kv_cache), _rows_2d(tree_k)
+    out = torch.zeros(T, H, MLA_V_DIM, dtype=acc, device=q.device)
+    lse = torch.full((T, H), -math.inf, dtype=acc, device=q.device)
+    qo, kvp = qo_indptr.tolist(), kv_indptr.tolist()
+    for b in range(len(qo) - 1):
+        q0, q1, k0, k1 = qo[b], qo[b + 1], kvp[b], kvp[b + 1]
+        n = q1 - q0
+        if n == 0:
+            continue
+        keys = torch.cat([kv[kv_indices[k0:k1].long()], tk[q0:q1]]).to(acc)
+        scores = torch.einsum("nhd,kd->nhk", q[q0:q1].to(acc), keys) * sm_scale
+        if tree_mask is None:
+            visible = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        else:
+            visible = _unpack_bits(tree_mask[q0:q1], n)
+        scores[:, :, k1 - k0 :] = scores[:, :, k1 - k0 :].masked_fill(~visible[:, None, :], -math.inf)
+        row_lse = torch.logsumexp(scores, -1)
+        finite = torch.isfinite(row_lse)
+        probs = torch.exp(scores - torch.where(finite, row_lse, torch.zeros_like(row_lse))[..., None])
+        out[q0:q1] = torch.einsum("nhk,kd->nhd", probs, keys[:, :MLA_V_DIM])
+        lse[q0:q1] = row_lse
+    return out.to(q.dtype), lse.to(torch.float32 if acc == torch.float32 else acc)
+
+
+@_define(
+    "verify_attn(Tensor q, Tensor kv_cache, Tensor kv_indptr, Tensor kv_indices, Tensor qo_indptr, "
+    "Tensor tree_k, Tensor? tree_mask, float sm_scale, int max_kv_len=-1) -> (Tensor, Tensor)"
+)
+def _verify_attn_cpu(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale, max_kv_len=-1):
+    _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask)
+    return _verify_attn_math(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale)
+
+
+@torch.library.register_fake("kdtree::verify_attn")
+def _verify_attn_fake(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale, max_kv_len=-1):
+    _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask)
+    T, H, _ = q.shape
+    return q.new_empty(T, H, MLA_V_DIM), q.new_empty(T, H, dtype=torch.float32)
+
+
+@_define(
+    "verify_attn_out(Tensor q, Tensor kv_cache, Tensor kv_indptr, Tensor kv_indices, Tensor qo_indptr, "
+    "Tensor tree_k, Tensor? tree_mask, float sm_scale, Tensor(a!) out, Tensor(b!) lse, int max_kv_len=-1) -> ()"
+)
+def _verify_attn_out_cpu(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale, out, lse, max_kv_len=-1):
+    _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask)
+    o, s = _verify_attn_math(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale)
+    out.copy_(o)
+    lse.copy_(s)
+
+
+@torch.library.register_fake("kdtree::verify_attn_out")
+def _verify_attn_out_fake(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale, out, lse, max_kv_len=-1):
+    _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask)
+
+
+def _validate_verify_indices(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, max_nodes=None):
+    """KDTREE_CHECK mode: device-side range checks, raised as errors (syncs the host)."""
+    S, T = kv_cache.shape[0], q.shape[0]
+    kvp, qo = kv_indptr.long(), qo_indptr.long()
+    problems = []
+    if kvp[0].item() != 0 or bool((kvp[1:] < kvp[:-1]).any()):
+        problems.append("kv_indptr must start at 0 and be non-decreasing")
+    elif kvp[-1].item() > kv_indices.shape[0]:
+        problems.append(f"kv_indptr[-1]={kvp[-1].item()} exceeds len(kv_indices)={kv_indices.shape[0]}")
+    elif kvp[-1].item() > 0:
+        used = kv_indices[: kvp[-1].item()]
+        if bool((used < 0).any()) or bool((used >= S).any()):
+            problems.append(f"kv_indices must lie in [0, {S}) (rows of kv_cache)")
+    if qo[0].item() != 0 or bool((qo[1:] < qo[:-1]).any()) or qo[-1].item() > T:
+        problems.append(f"qo_indptr must start at 0, be non-decreasing and end <= T={T}")
+    elif tree_mask is not None:
+        most = int((qo[1:] - qo[:-1]).max().item()) if qo.numel() > 1 else 0
+        if most > 32 * tree_mask.shape[1]:
+            problems.append(f"tree_mask has {tree_mask.shape[1]} words per row but a request has {most} nodes")
+    if problems:
+        raise ValueError("kdtree: verify_attn input check failed: " + "; ".join(problems))
+
+
+def verify_attn(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    tree_k: torch.Tensor,
+    tree_mask: Optional[torch.Tensor],
+    sm_scale: float,
+    *,
+    out: Optional[torch.Tensor] = None,
+    lse: Optional[torch.Tensor] = None,
+    max_kv_len: Optional[int] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tree-verify attention for MLA over page-size-1 KV.
+
+    Request b's tree nodes are rows ``qo_indptr[b]:qo_indptr[b+1]`` of q. Every node sees all
+    of the request's prefix slots ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]`` and, among the
+    request's own nodes, those its tree_mask row allows (or itself and earlier nodes when
+    tree_mask is None: a causal chain). Scores are ``sm_scale * q.k`` over 576 dims; values are
+    the first 512 dims of the same rows.
+
+    Parameters
+    ----------
+    q : Tensor [T, H, 576], bfloat16 or float16
+        Absorbed queries (512 nope + 64 rope) of all requests' tree nodes.
+    kv_cache : Tensor [S, 576] or [S, 1, 576], q's dtype
+        The layer's latent KV pool.
+    kv_indptr : Tensor [B + 1], int32
+        Prefix boundaries into kv_indices per request.
+    kv_indices : Tensor [>= kv_indptr[-1]], int32 or int64
+        Prefix slots (rows of kv_cache), in token order.
+    qo_indptr : Tensor [B + 1], int32
+        Row boundaries of each request's nodes in q (node 0 = root).
+    tree_k : Tensor [T, 576] or [T, 1, 576], q's dtype
+        The nodes' own latents (their keys/values).
+    tree_mask : Tensor [T, W] int32 or None
+        Bit ``j % 32`` of word ``j // 32`` of row i set = node i sees node j of its request
+        (local indices); W >= ceil(max nodes per request / 32). None = causal chain.
+    sm_scale : float
+        Softmax scale.
+    out : Tensor [T, H, 512], q's dtype, optional
+        Written in place (may be a strided view, e.g. SGLang's ``o.view(T, H, 512)``).
+    lse : Tensor [T, H], float32, optional
+        Written in place.
+    max_kv_len : int, optional
+        Upper bound of any request's prefix length (a host int); lets the kernel split
+        short prefixes less. Never read from the device, so CUDA-graph capture is safe.
+
+    Returns
+    -------
+    out : Tensor [T, H, 512], q's dtype
+    lse : Tensor [T, H], float32, natural-log log-sum-exp of each row's scores
+        (``-inf`` for a row that sees nothing; its output is 0).
+    """
+    if check_mode():
+        _validate_verify_indices(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask)
+    hint = -1 if max_kv_len is None else int(max_kv_len)
+    if out is None and lse is None:
+        return torch.ops.kdtree.verify_attn(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale, hint)
+    if out is None:
+        out = q.new_empty(q.shape[0], q.shape[1], MLA_V_DIM)
+    if lse is None:
+        lse = q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
+    torch.ops.kdtree.verify_attn_out(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale, out, lse, hint)
+    return out, lse
+
+
+def _pack_bits(mask: torch.Tensor, words: int) -> torch.Tensor:
+    """[R, N] bool -> [R, words] int32 with bit j % 32 of word j // 32 = mask[:, j]."""
+    R, N = mask.shape
+    padded = torch.zeros(R, words * 32, dtype=torch.int64, device=mask.device)
+    padded[:, :N] = mask.to(torch.int64)
+    vals = (padded.view(R, words, 32) << torch.arange(32, device=mask.device)).sum(-1)
+    return torch.where(vals >= 2**31, vals - 2**32, vals).to(torch.int32)
+
+
+@_define("pack_tree_mask(Tensor mask) -> Tensor")
+def _pack_tree_mask_cpu(mask):
+    torch._check(mask.dim() == 2 and mask.dtype in (torch.bool, torch.uint8),
+                 lambda: f"kdtree: mask must be bool or uint8 [T, N], got {mask.dtype} {tuple(mask.shape)}")
+    return _pack_bits(mask != 0, max(1, -(-mask.shape[1] // 32)))
+
+
+@torch.library.register_fake("kdtree::pack_tree_mask")
+def _pack_tree_mask_fake(mask):
+    return mask.new_empty(mask.shape[0], max(1, -(-mask.shape[1] // 32)), dtype=torch.int32)
+
+
+@_define(
+    "sglang_mask_to_packed(Tensor custom_mask, Tensor mask_indptr, Tensor qo_indptr, Tensor kv_indptr, "
+    "int num_rows, int max_nodes) -> Tensor"
+)
+def _sglang_mask_to_packed_cpu(custom_mask, mask_indptr, qo_indptr, kv_indptr, num_rows, max_nodes):
+    words = -(-max_nodes // 32)
+    out = torch.zeros(num_rows, words, dtype=torch.int32)
+    qo, kvp, mip = qo_indptr.tolist(), kv_indptr.tolist(), mask_indptr.tolist()
+    for b in range(len(qo) - 1):
+        n, prefix = qo[b + 1] - qo[b], kvp[b + 1] - kvp[b]
+        block = custom_mask[mip[b] : mip[b] + n * (prefix + n)].view(n, prefix + n)[:, prefix:]
+        out[qo[b] : qo[b + 1]] = _pack_bits(block != 0, words)
+    return out
+
+
+@torch.library.register_fake("kdtree::sglang_mask_to_packed")
+def _sglang_mask_to_packed_fake(custom_mask, mask_indptr, qo_indptr, kv_indptr, num_rows, max_nodes):
+    return qo_indptr.new_empty(num_rows, -(-max_nodes // 32), dtype=torch.int32)
+
+
+def pack_tree_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Pack a node-visibility mask for :func:`verify_attn`.
+
+    Parameters
+    ----------
+    mask : Tensor [T, N], bool or uint8
+        ``mask[i, j]`` true = row i (a tree node) sees node j of its own request.
+
+    Returns
+    -------
+    Tensor [T, ceil(N / 32)], int32: bit ``j % 32`` of word ``j // 32`` = ``mask[i, j]``.
+    """
+    return torch.ops.kdtree.pack_tree_mask(mask)
+
+
+def sglang_mask_to_packed(
+    custom_mask: torch.Tensor,
+    mask_indptr: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    *,
+    num_rows: Optional[int] = None,
+    max_nodes: Optional[int] = None,
+) -> torch.Tensor:
+    """Convert SGLang's flat TARGET_VERIFY custom mask to packed tree-mask rows.
+
+    Parameters
+    ----------
+    custom_mask : Tensor [total], bool or uint8
+        Request b's block starts at ``mask_indptr[b]``: nodes rows x (prefix + nodes) columns,
+        row-major; the tree part starts at column ``prefix``.
+    mask_indptr : Tensor [B + 1], int64
+    qo_indptr : Tensor [B + 1], int32
+        Rows (tree nodes) per request.
+    kv_indptr : Tensor [B + 1], int32
+        Prefix lengths per request (prefix only, as in SGLang's TARGET_VERIFY metadata).
+    num_rows, max_nodes : int, optional
+        T and the largest node count; pass them (host ints) under CUDA-graph capture. When
+        omitted they are read from qo_indptr, which syncs the host.
+
+    Returns
+    -------
+    Tensor [num_rows, ceil(max_nodes / 32)], int32, the layout :func:`verify_attn` reads.
+    """
+    if num_rows is None or max_nodes is None:
+        qo = qo_indptr.long().cpu()
+        num_rows = int(qo[-1]) if num_rows is None else num_rows
+        max_nodes = max(1, int((qo[1:] - qo[:-1]).max())) if max_nodes is None and qo.numel() > 1 else (max_nodes or 1)
+    return torch.ops.kdtree.sglang_mask_to_packed(custom_mask, mask_indptr, qo_indptr, kv_indptr, num_rows, max_nodes)
+
 # ---- tree ops ----
+
 
 # ---- kv movement ----
 

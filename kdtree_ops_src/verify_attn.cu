@@ -1,0 +1,593 @@
+// Tree-verify attention for MLA (one 576-wide latent KV head; value = its first 512 dims).
+//
+// Why this shape: the prefix is visible to every (node, head) row, so each CTA folds 64 of
+// those rows into tensor-core M tiles and streams its slice of the prefix once for all of
+// them; the prefix is split across CTAs (flash-decoding) so one request fills the GPU; the
+// last split also runs the request's own tree keys under the ancestor mask, continuing the
+// same online softmax. With one split the CTA writes the final output; otherwise partials
+// are merged by log-sum-exp in a second kernel.
+//
+// CTA: 8 warps, 64 rows. S = Q K^T: warp (rt = w % 4, dh = w / 4) owns rows 16*rt.. and
+// half the 576 dims, Q held in registers; the two halves are summed through shared memory.
+// O += P V: warp w owns all 64 rows x dims [64w, 64w+64). Shared memory stays under 99 KB
+// (sm_120) with two 32-key stages of 1,152-byte rows loaded by 16-byte cp.async.
+#include "common.cuh"
+
+namespace kdtree {
+namespace {
+
+constexpr int kDqk = 576, kDv = 512;
+constexpr int kRows = 64, kKeys = 32, kWarps = 8, kThreads = kWarps * 32;
+constexpr int kRowBytes = kDqk * 2, kChunks = kRowBytes / 16;  // 72 16-byte chunks per row
+constexpr int kStageBytes = kKeys * kRowBytes;
+constexpr int kHalfK = kDqk / 2 / 16;                           // 18 k-steps per dim half
+constexpr int kPStride = kKeys + 8;                             // padded P row (bf16)
+constexpr int kSmemKV = 2 * kStageBytes;
+constexpr int kSmemS = 4 * 16 * 32 * 4;
+constexpr int kSmemP = kRows * kPStride * 2;
+constexpr int kSmemBytes = kSmemKV + kSmemS + kSmemP + 2 * kRows * 4;
+static_assert(kSmemBytes <= 99 * 1024, "must fit sm_120's 99 KB per block");
+static_assert(kRows * kRowBytes <= kSmemKV, "Q is staged through the KV buffers");
+
+template <typename T> struct Params {
+  const T* q;
+  int64_t q_st, q_sh;
+  const T* kv;
+  int64_t kv_stride;
+  const T* tree_k;
+  int64_t tk_stride;
+  const int32_t* kv_indptr;
+  const void* kv_indices;
+  const int32_t* qo_indptr;
+  const int32_t* mask;  // null: causal chain
+  int64_t mask_stride;
+  int mask_words;
+  int batch, heads, splits;
+  float scale_log2;
+  // direct output (splits == 1) or partials [splits][T*H][512] + [splits][T*H]
+  T* out;
+  int64_t out_st, out_sh;
+  float* lse;
+  int64_t lse_st, lse_sh;
+  float* part_o;
+  float* part_lse;
+  int64_t rows_total;
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  // src-size 0 zero-fills: keys past the end read as zeros, never as NaN garbage.
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  uint32_t r;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    r = *reinterpret_cast<uint32_t*>(&v);
+  } else {
+    __half2 v = __floats2half2_rn(lo, hi);
+    r = *reinterpret_cast<uint32_t*>(&v);
+  }
+  return r;
+}
+
+// Byte offset of 16-byte chunk `c` of row `r` in a [rows][1152 B] tile. XOR-swizzling the
+// chunk by the row's low 3 bits puts the 8 rows an ldmatrix reads on 8 different bank groups.
+__device__ __forceinline__ uint32_t tile_off(int r, int c) {
+  return r * kRowBytes + ((c ^ (r & 7)) << 4);
+}
+
+template <typename T, typename Idx>
+__global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const Params<T> p) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* s_kv = smem;
+  float* s_part = reinterpret_cast<float*>(smem + kSmemKV);  // [4][16][32] S halves
+  T* s_p = reinterpret_cast<T*>(smem + kSmemKV + kSmemS);     // [64][kPStride]
+  float* s_alpha = reinterpret_cast<float*>(smem + kSmemKV + kSmemS + kSmemP);  // [64]
+  float* s_l = s_alpha + kRows;                                                  // [64]
+  __shared__ int s_req, s_row0;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+
+  // ---- which request and which 64 rows: scan the per-request tile counts ----
+  const int tile = blockIdx.x;
+  if (warp == 0) {
+    int base = 0, req = -1, row0 = 0;
+    for (int b0 = 0; b0 < p.batch && base <= tile; b0 += 32) {
+      const int b = b0 + lane;
+      int n = 0;
+      if (b < p.batch) n = (p.qo_indptr[b + 1] - p.qo_indptr[b]) * p.heads;
+      const int cnt = (n + kRows - 1) / kRows;
+      int incl = cnt;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += y;
+      }
+      const int excl = base + incl - cnt;
+      const bool mine = b < p.batch && tile >= excl && tile < excl + cnt;
+      const unsigned who = __ballot_sync(0xffffffffu, mine);
+      if (who) {
+        const int src = __ffs(who) - 1;
+        req = __shfl_sync(0xffffffffu, b, src);
+        row0 = (tile - __shfl_sync(0xffffffffu, excl, src)) * kRows;
+      }
+      base += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    if (lane == 0) {
+      s_req = req;
+      s_row0 = row0;
+    }
+  }
+  __syncthreads();
+  const int b = s_req, row0 = s_row0;
+  if (b < 0) return;
+
+  const int q_begin = p.qo_indptr[b], nodes = p.qo_indptr[b + 1] - q_begin;
+  const int rows_b = nodes * p.heads;
+  const int kv_begin = p.kv_indptr[b], prefix = p.kv_indptr[b + 1] - kv_begin;
+  const int split = blockIdx.y;
+  // Each split takes an equal, 32-key aligned chunk of the prefix; the last adds the tree.
+  const int chunk = ((prefix + p.splits - 1) / p.splits + kKeys - 1) / kKeys * kKeys;
+  const int pre_begin = min(prefix, split * chunk), pre_end = min(prefix, pre_begin + chunk);
+  const bool has_tree = split == p.splits - 1;
+  const int pre_tiles = (pre_end - pre_begin + kKeys - 1) / kKeys;
+  const int n_tiles = pre_tiles + (has_tree ? (nodes + kKeys - 1) / kKeys : 0);
+  const Idx* kv_indices = static_cast<const Idx*>(p.kv_indices) + kv_begin;
+
+  // ---- stage Q (64 rows x 576) through the KV buffers, then keep it in registers ----
+  for (int c = tid; c < kRows * kChunks; c += kThreads) {
+    const int r = c / kChunks, ch = c - r * kChunks, m = row0 + r;
+    const bool valid = m < rows_b;
+    const int node = valid ? m / p.heads : 0, head = valid ? m - node * p.heads : 0;
+    const T* src = p.q + (q_begin + node) * p.q_st + head * p.q_sh + ch * 8;
+    cp_async16(smem_addr(s_kv + tile_off(r, ch)), valid ? src : p.q, valid);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+
+  const int rt = warp & 3, dh = warp >> 2;
+  uint32_t qf[kHalfK][4];
+#pragma unroll
+  for (int ks = 0; ks < kHalfK; ++ks) {
+    const int r = rt * 16 + (lane & 15), ch = (dh * kHalfK + ks) * 2 + (lane >> 4);
+    ldmatrix_x4(qf[ks], smem_addr(s_kv + tile_off(r, ch)));
+  }
+  __syncthreads();  // Q fully in registers before the KV stages overwrite it
+
+  auto load_tile = [&](int t, int stage) {
+    uint8_t* dst = s_kv + stage * kStageBytes;
+    for (int c = tid; c < kKeys * kChunks; c += kThreads) {
+      const int k = c / kChunks, ch = c - k * kChunks;
+      const T* src;
+      bool valid;
+      if (t < pre_tiles) {
+        const int pos = pre_begin + t * kKeys + k;
+        valid = pos < pre_end;
+        src = valid ? p.kv + static_cast<int64_t>(kv_indices[pos]) * p.kv_stride + ch * 8 : p.kv;
+      } else {
+        const int pos = (t - pre_tiles) * kKeys + k;
+        valid = pos < nodes;
+        src = valid ? p.tree_k + static_cast<int64_t>(q_begin + pos) * p.tk_stride + ch * 8
+                    : p.tree_k;
+      }
+      cp_async16(smem_addr(dst + tile_off(k, ch)), src, valid);
+    }
+    cp_async_commit();
+  };
+
+  float o[4][8][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[i][j][e] = 0.f;
+  // running max (log2 domain) and sum of the two rows this thread owns in the softmax
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+
+  if (n_tiles > 0) load_tile(0, 0);
+  for (int t = 0; t < n_tiles; ++t) {
+    const int stage = t & 1;
+    if (t + 1 < n_tiles) {
+      load_tile(t + 1, stage ^ 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const uint8_t* kt = s_kv + stage * kStageBytes;
+
+    // ---- S half = Q[rows of rt, dims of dh] K^T ----
+    float s[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < kHalfK; ++ks) {
+      const int ch0 = (dh * kHalfK + ks) * 2;
+#pragma unroll
+      for (int j = 0; j < 4; j += 2) {
+        uint32_t bf[4];
+        const int mi = lane >> 3;
+        const int key = (j + (mi >> 1)) * 8 + (lane & 7);
+        ldmatrix_x4(bf, smem_addr(kt + tile_off(key, ch0 + (mi & 1))));
+        mma16816<T>(s[j], qf[ks], bf[0], bf[1]);
+        mma16816<T>(s[j + 1], qf[ks], bf[2], bf[3]);
+      }
+    }
+    float* part = s_part + rt * (16 * 32);
+    if (dh == 1) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) part[(j * 4 + e) * 32 + lane] = s[j][e];
+    }
+    __syncthreads();
+
+    // ---- online softmax on the summed scores (dh == 0 warps: 16 rows x 32 keys each) ----
+    if (dh == 0) {
+      const bool tree_tile = t >= pre_tiles;
+      const int key0 = tree_tile ? (t - pre_tiles) * kKeys : pre_begin + t * kKeys;
+      const int key_end = tree_tile ? nodes : pre_end;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = rt * 16 + g + half * 8;
+        const int m = row0 + r;
+        const int node = m < rows_b ? m / p.heads : 0;
+        const int32_t* mrow = p.mask ? p.mask + (q_begin + node) * p.mask_stride : nullptr;
+        float x[8];
+        float mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int key = key0 + j * 8 + t4 * 2 + e;
+            bool vis = key < key_end;
+            if (tree_tile && vis) {
+              if (mrow) {
+                const int w = key >> 5;
+                vis = w < p.mask_words && ((mrow[w] >> (key & 31)) & 1);
+              } else {
+                vis = key <= node;
+              }
+            }
+            const float v = (s[j][half * 2 + e] + part[(j * 4 + half * 2 + e) * 32 + lane]) *
+                            p.scale_log2;
+            x[j * 2 + e] = vis ? v : -INFINITY;
+            mx = fmaxf(mx, x[j * 2 + e]);
+          }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float new_max = fmaxf(row_max[half], mx);
+        // A row with nothing visible yet keeps max -inf; subtract 0 then so exp gives 0, not NaN.
+        const float base = new_max == -INFINITY ? 0.f : new_max;
+        const float alpha = exp2f(row_max[half] - base);
+        row_max[half] = new_max;
+        float sum = 0.f;
+        T* prow = s_p + r * kPStride;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float p0 = exp2f(x[j * 2] - base), p1 = exp2f(x[j * 2 + 1] - base);
+          sum += p0 + p1;
+          *reinterpret_cast<uint32_t*>(prow + j * 8 + t4 * 2) = pack2<T>(p0, p1);
+        }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        row_sum[half] = row_sum[half] * alpha + sum;
+        if (t4 == 0) s_alpha[r] = alpha;
+      }
+    }
+    __syncthreads();
+
+    // ---- O = O * alpha + P V for all 64 rows, dims [64 warp, +64) ----
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float a0 = s_alpha[i * 16 + g], a1 = s_alpha[i * 16 + g + 8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        o[i][j][0] *= a0;
+        o[i][j][1] *= a0;
+        o[i][j][2] *= a1;
+        o[i][j][3] *= a1;
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) {
+      uint32_t pf[4][4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = i * 16 + (lane & 15), c = kk * 16 + (lane >> 4) * 8;
+        ldmatrix_x4(pf[i], smem_addr(s_p + r * kPStride + c));
+      }
+#pragma unroll
+      for (int j = 0; j < 8; j += 2) {
+        uint32_t vf[4];
+        const int mi = lane >> 3;
+        const int key = kk * 16 + (mi & 1) * 8 + (lane & 7);
+        const int ch = warp * 8 + j + (mi >> 1);
+        ldmatrix_x4_trans(vf, smem_addr(kt + tile_off(key, ch)));
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          mma16816<T>(o[i][j], pf[i], vf[0], vf[1]);
+          mma16816<T>(o[i][j + 1], pf[i], vf[2], vf[3]);
+        }
+      }
+    }
+    __syncthreads();  // stage and P are free for the next tile
+  }
+
+  // ---- finish: share each row's max and sum, normalise, write ----
+  if (dh == 0 && t4 == 0) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = rt * 16 + g + half * 8;
+      s_alpha[r] = row_max[half];
+      s_l[r] = row_sum[half];
+    }
+  }
+  __syncthreads();
+  const bool direct = p.splits == 1;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = i * 16 + g + half * 8, m = row0 + r;
+      if (m >= rows_b) continue;
+      const float l = s_l[r];
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const float lse = l > 0.f ? (s_alpha[r] + __log2f(l)) * 0.69314718055994531f : -INFINITY;
+      const int node = m / p.heads, head = m - node * p.heads;
+      const int64_t grow = static_cast<int64_t>(q_begin) * p.heads + m;
+      if (direct) {
+        T* dst = p.out + (q_begin + node) * p.out_st + head * p.out_sh + warp * 64 + t4 * 2;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          *reinterpret_cast<uint32_t*>(dst + j * 8) =
+              pack2<T>(o[i][j][half * 2] * inv, o[i][j][half * 2 + 1] * inv);
+        if (warp == 0 && t4 == 0) p.lse[(q_begin + node) * p.lse_st + head * p.lse_sh] = lse;
+      } else {
+        float* dst = p.part_o + (split * p.rows_total + grow) * kDv + warp * 64 + t4 * 2;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          *reinterpret_cast<float2*>(dst + j * 8) =
+              make_float2(o[i][j][half * 2] * inv, o[i][j][half * 2 + 1] * inv);
+        if (warp == 0 && t4 == 0) p.part_lse[split * p.rows_total + grow] = lse;
+      }
+    }
+}
+
+// One block per (t, h) row: merge the splits' partials by log-sum-exp.
+template <typename T>
+__global__ void __launch_bounds__(128) merge_splits_kernel(const Params<T> p) {
+  __shared__ float s_w[64];
+  __shared__ float s_lse;
+  const int64_t row = blockIdx.x;
+  const int tid = threadIdx.x;
+  if (tid < 32) {
+    float mx = -INFINITY;
+    for (int s = tid; s < p.splits; s += 32) mx = fmaxf(mx, p.part_lse[s * p.rows_total + row]);
+#pragma unroll
+    for (int off = 16; off; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    const float base = mx == -INFINITY ? 0.f : mx;
+    float sum = 0.f;
+    for (int s = tid; s < p.splits; s += 32) {
+      const float w = __expf(p.part_lse[s * p.rows_total + row] - base);
+      s_w[s] = w;
+      sum += w;
+    }
+#pragma unroll
+    for (int off = 16; off; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    for (int s = tid; s < p.splits; s += 32) s_w[s] *= inv;
+    if (tid == 0) s_lse = sum > 0.f ? base + __logf(sum) : -INFINITY;
+  }
+  __syncthreads();
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int s = 0; s < p.splits; ++s) {
+    const float w = s_w[s];
+    if (w == 0.f) continue;  // empty split: its values were never written
+    const float4 v = *reinterpret_cast<const float4*>(p.part_o + (s * p.rows_total + row) * kDv + tid * 4);
+    acc[0] += w * v.x;
+    acc[1] += w * v.y;
+    acc[2] += w * v.z;
+    acc[3] += w * v.w;
+  }
+  const int64_t node = row / p.heads, head = row - node * p.heads;
+  T* dst = p.out + node * p.out_st + head * p.out_sh + tid * 4;
+  *reinterpret_cast<uint2*>(dst) = make_uint2(pack2<T>(acc[0], acc[1]), pack2<T>(acc[2], acc[3]));
+  if (tid == 0) p.lse[node * p.lse_st + head * p.lse_sh] = s_lse;
+}
+
+constexpr int kMaxSplits = 64;  // merge kernel keeps one weight per split in shared memory
+
+void check_rows(const at::Tensor& t, const char* name, const at::Tensor& q, int64_t rows) {
+  check_cuda(t, name, q);
+  KD_CHECK(t.scalar_type() == q.scalar_type(), name, " must be ", q.scalar_type(),
+           " like q, got ", t.scalar_type());
+  KD_CHECK((t.dim() == 2 && t.size(1) == kDqk) || (t.dim() == 3 && t.size(1) == 1 && t.size(2) == kDqk),
+           name, " must be [", rows < 0 ? "S" : std::to_string(rows), ", 576] or [..., 1, 576], got ",
+           t.sizes());
+  if (rows >= 0) KD_CHECK(t.size(0) == rows, name, " must have ", rows, " rows like q, got ", t.size(0));
+  check_last_contiguous(t, name);
+  KD_CHECK(t.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
+           " rows must be 16-byte aligned (row stride a multiple of 8 elements), got stride ",
+           t.stride(0));
+}
+
+void check_indptr(const at::Tensor& t, const char* name, const at::Tensor& q, int64_t size) {
+  check_cuda(t, name, q);
+  check_dim(t, name, 1);
+  check_dtype(t, name, at::kInt);
+  KD_CHECK(t.is_contiguous(), name, " must be contiguous");
+  if (size >= 0) KD_CHECK(t.size(0) == size, name, " must have ", size, " entries (batch + 1), got ", t.size(0));
+  KD_CHECK(t.size(0) >= 1, name, " must have batch + 1 >= 1 entries");
+}
+
+void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& kv_indptr,
+                     const at::Tensor& kv_indices, const at::Tensor& qo_indptr,
+                     const at::Tensor& tree_k, const std::optional<at::Tensor>& tree_mask,
+                     double sm_scale, const at::Tensor& out, const at::Tensor& lse,
+                     int64_t max_kv_len) {
+  KD_CHECK(q.is_cuda(), "q must be a CUDA tensor, got device ", q.device());
+  check_dim(q, "q", 3);
+  KD_CHECK(q.size(2) == kDqk, "q must be [T, H, 576] (512 absorbed nope + 64 rope), got ", q.sizes());
+  KD_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+           "q must be bfloat16 or float16, got ", q.scalar_type());
+  check_last_contiguous(q, "q");
+  KD_CHECK(q.stride(0) % 8 == 0 && q.stride(1) % 8 == 0 && reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0,
+           "q rows must be 16-byte aligned, got strides ", q.strides());
+  const int64_t T = q.size(0), H = q.size(1);
+  check_rows(kv_cache, "kv_cache", q, -1);
+  check_rows(tree_k, "tree_k", q, T);
+  check_indptr(kv_indptr, "kv_indptr", q, -1);
+  check_indptr(qo_indptr, "qo_indptr", q, kv_indptr.size(0));
+  check_cuda(kv_indices, "kv_indices", q);
+  check_dim(kv_indices, "kv_indices", 1);
+  check_index(kv_indices, "kv_indices");
+  KD_CHECK(kv_indices.is_contiguous(), "kv_indices must be contiguous");
+  if (tree_mask) {
+    const at::Tensor& m = *tree_mask;
+    check_cuda(m, "tree_mask", q);
+    check_dim(m, "tree_mask", 2);
+    check_dtype(m, "tree_mask", at::kInt);
+    KD_CHECK(m.size(0) == T && m.size(1) >= 1, "tree_mask must be [", T, ", ceil(max_nodes/32)], got ", m.sizes());
+    check_last_contiguous(m, "tree_mask");
+  }
+  check_cuda(out, "out", q);
+  KD_CHECK(out.dim() == 3 && out.size(0) == T && out.size(1) == H && out.size(2) == kDv,
+           "out must be [", T, ", ", H, ", 512], got ", out.sizes());
+  KD_CHECK(out.scalar_type() == q.scalar_type(), "out must be ", q.scalar_type(), " like q, got ", out.scalar_type());
+  check_last_contiguous(out, "out");
+  KD_CHECK(out.stride(0) % 4 == 0 && out.stride(1) % 4 == 0 && reinterpret_cast<uintptr_t>(out.data_ptr()) % 8 == 0,
+           "out rows must be 8-byte aligned, got strides ", out.strides());
+  check_cuda(lse, "lse", q);
+  KD_CHECK(lse.dim() == 2 && lse.size(0) == T && lse.size(1) == H, "lse must be [", T, ", ", H, "], got ", lse.sizes());
+  check_dtype(lse, "lse", at::kFloat);
+  KD_CHECK(q.size(1) >= 1, "q must have at least one head");
+  KD_CHECK(T * H < (int64_t{1} << 31) / kDv, "T * H = ", T * H, " rows is too large");
+
+  const int64_t batch = kv_indptr.size(0) - 1;
+  if (T == 0 || batch == 0) return;
+  const c10::cuda::CUDAGuard guard(q.device());
+
+  // Grid: one CTA per (request, 64-row tile) and prefix split. The tile count bound and the
+  // split count depend only on shapes and host hints, so the launch is graph-capturable.
+  const int64_t tiles = ceil_div(T * H, kRows) + batch;
+  const int sms = num_sms(q);
+  int64_t splits = (sms + ceil_div(T * H, kRows) - 1) / ceil_div(T * H, kRows);
+  if (max_kv_len >= 0) splits = std::min<int64_t>(splits, std::max<int64_t>(1, max_kv_len / 256));
+  splits = std::clamp<int64_t>(splits, 1, kMaxSplits);
+  KD_CHECK(tiles < (int64_t{1} << 31), "too many rows");
+
+  at::Tensor part_o, part_lse;
+  if (splits > 1) {
+    part_o = at::empty({splits, T * H, kDv}, q.options().dtype(at::kFloat));
+    part_lse = at::empty({splits, T * H}, q.options().dtype(at::kFloat));
+  }
+
+  dispatch_half(q.scalar_type(), "q", [&](auto tag) {
+    using T_ = decltype(tag);
+    Params<T_> p{};
+    p.q = static_cast<const T_*>(q.data_ptr());
+    p.q_st = q.stride(0);
+    p.q_sh = q.stride(1);
+    p.kv = static_cast<const T_*>(kv_cache.data_ptr());
+    p.kv_stride = kv_cache.stride(0);
+    p.tree_k = static_cast<const T_*>(tree_k.data_ptr());
+    p.tk_stride = tree_k.stride(0);
+    p.kv_indptr = kv_indptr.data_ptr<int32_t>();
+    p.kv_indices = kv_indices.data_ptr();
+    p.qo_indptr = qo_indptr.data_ptr<int32_t>();
+    p.mask = tree_mask ? tree_mask->data_ptr<int32_t>() : nullptr;
+    p.mask_stride = tree_mask ? tree_mask->stride(0) : 0;
+    p.mask_words = tree_mask ? static_cast<int>(tree_mask->size(1)) : 0;
+    p.batch = static_cast<int>(batch);
+    p.heads = static_cast<int>(H);
+    p.splits = static_cast<int>(splits);
+    p.scale_log2 = static_cast<float>(sm_scale * 1.4426950408889634);
+    p.out = static_cast<T_*>(out.data_ptr());
+    p.out_st = out.stride(0);
+    p.out_sh = out.stride(1);
+    p.lse = lse.data_ptr<float>();
+    p.lse_st = lse.stride(0);
+    p.lse_sh = lse.stride(1);
+    p.part_o = splits > 1 ? part_o.data_ptr<float>() : nullptr;
+    p.part_lse = splits > 1 ? part_lse.data_ptr<float>() : nullptr;
+    p.rows_total = T * H;
+
+    auto kernel = kv_indices.scalar_type() == at::kInt ? verify_attn_kernel<T_, int32_t>
+                                                       : verify_attn_kernel<T_, int64_t>;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(splits));
+    kernel<<<grid, kThreads, kSmemBytes, current_stream()>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (splits > 1) {
+      merge_splits_kernel<T_><<<static_cast<unsigned>(T * H), 128, 0, current_stream()>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> verify_attn(const at::Tensor& q, const at::Tensor& kv_cache,
+                                               const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+                                               const at::Tensor& qo_indptr, const at::Tensor& tree_k,
+                                               const std::optional<at::Tensor>& tree_mask,
+                                               double sm_scale, int64_t max_kv_len) {
+  KD_CHECK(q.dim() == 3, "q must be [T, H, 576], got ", q.sizes());
+  at::Tensor out = at::empty({q.size(0), q.size(1), kDv}, q.options());
+  at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  verify_attn_out(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale, out, lse,
+                  max_kv_len);
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kdtree, CUDA, m) {
+  m.impl("verify_attn", &verify_attn);
+  m.impl("verify_attn_out", &verify_attn_out);
+}
+
+}  // namespace kdtree
