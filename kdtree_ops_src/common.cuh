@@ -19,6 +19,23 @@ namespace kdtree {
 // launch, so bad input raises instead of reading out of bounds.
 #define KD_CHECK(cond, ...) TORCH_CHECK(cond, "kdtree: ", __VA_ARGS__)
 
+// torch's Python names, so messages read like the Python API ("float32", not "Float").
+inline const char* dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    case at::kBFloat16: return "bfloat16";
+    case at::kHalf: return "float16";
+    case at::kInt: return "int32";
+    case at::kLong: return "int64";
+    case at::kShort: return "int16";
+    case at::kByte: return "uint8";
+    case at::kChar: return "int8";
+    case at::kBool: return "bool";
+    default: return c10::toString(t);
+  }
+}
+
 inline void check_cuda(const at::Tensor& t, const char* name, const at::Tensor& like) {
   KD_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got device ", t.device());
   KD_CHECK(t.device() == like.device(), name, " must be on ", like.device(), ", got ",
@@ -30,7 +47,8 @@ inline void check_dim(const at::Tensor& t, const char* name, int64_t dim) {
 }
 
 inline void check_dtype(const at::Tensor& t, const char* name, at::ScalarType dtype) {
-  KD_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+  KD_CHECK(t.scalar_type() == dtype, name, " must be ", dtype_name(dtype), ", got ",
+           dtype_name(t.scalar_type()));
 }
 
 inline void check_last_contiguous(const at::Tensor& t, const char* name) {
@@ -40,7 +58,7 @@ inline void check_last_contiguous(const at::Tensor& t, const char* name) {
 
 inline void check_index(const at::Tensor& t, const char* name) {
   KD_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, name,
-           " must be int32 or int64, got ", t.scalar_type());
+           " must be int32 or int64, got ", dtype_name(t.scalar_type()));
 }
 
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
@@ -108,7 +126,7 @@ template <typename F> void dispatch_float(at::ScalarType dtype, const char* name
     case at::kFloat: f(float{}); break;
     case at::kBFloat16: f(__nv_bfloat16{}); break;
     case at::kHalf: f(__half{}); break;
-    default: KD_CHECK(false, name, " must be float32, bfloat16 or float16, got ", dtype);
+    default: KD_CHECK(false, name, " must be float32, bfloat16 or float16, got ", dtype_name(dtype));
   }
 }
 
@@ -117,7 +135,7 @@ template <typename F> void dispatch_half(at::ScalarType dtype, const char* name,
   switch (dtype) {
     case at::kBFloat16: f(__nv_bfloat16{}); break;
     case at::kHalf: f(__half{}); break;
-    default: KD_CHECK(false, name, " must be bfloat16 or float16, got ", dtype);
+    default: KD_CHECK(false, name, " must be bfloat16 or float16, got ", dtype_name(dtype));
   }
 }
 

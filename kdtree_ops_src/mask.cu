@@ -14,7 +14,7 @@ __global__ void pack_tree_mask_kernel(const uint8_t* __restrict__ mask, int64_t 
   const int w = static_cast<int>(idx - row * words);
   uint32_t bits = 0;
   const uint8_t* src = mask + row * row_stride + w * 32;
-  const int n = static_cast<int>(min<int64_t>(32, cols - w * 32));
+  const int n = static_cast<int>(cols - w * 32 < 32 ? cols - w * 32 : 32);
   for (int j = 0; j < n; ++j) bits |= static_cast<uint32_t>(src[j] != 0) << j;
   out[idx] = static_cast<int32_t>(bits);
 }
@@ -39,7 +39,7 @@ __global__ void sglang_mask_kernel(const uint8_t* __restrict__ mask, const int64
     const int64_t node = row - qo_indptr[b], nodes = qo_indptr[b + 1] - qo_indptr[b];
     const int64_t prefix = kv_indptr[b + 1] - kv_indptr[b];
     const uint8_t* src = mask + mask_indptr[b] + node * (prefix + nodes) + prefix + w * 32;
-    const int n = static_cast<int>(min<int64_t>(32, nodes - w * 32));
+    const int n = static_cast<int>(nodes - w * 32 < 32 ? nodes - w * 32 : 32);
     for (int j = 0; j < n; ++j) bits |= static_cast<uint32_t>(src[j] != 0) << j;
   }
   out[idx] = static_cast<int32_t>(bits);
@@ -47,7 +47,7 @@ __global__ void sglang_mask_kernel(const uint8_t* __restrict__ mask, const int64
 
 void check_mask_dtype(const at::Tensor& t, const char* name) {
   KD_CHECK(t.scalar_type() == at::kBool || t.scalar_type() == at::kByte, name,
-           " must be bool or uint8, got ", t.scalar_type());
+           " must be bool or uint8, got ", dtype_name(t.scalar_type()));
 }
 
 at::Tensor pack_tree_mask(const at::Tensor& mask) {

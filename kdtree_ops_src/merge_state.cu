@@ -58,8 +58,8 @@ void check_pair(const at::Tensor& v, const at::Tensor& s, const char* vname, con
   check_dim(s, sname, 2);
   check_last_contiguous(v, vname);
   check_dtype(s, sname, at::kFloat);
-  KD_CHECK(v.scalar_type() == like.scalar_type(), vname, " must be ", like.scalar_type(),
-           " like v_a, got ", v.scalar_type());
+  KD_CHECK(v.scalar_type() == like.scalar_type(), vname, " must be ", dtype_name(like.scalar_type()),
+           " like v_a, got ", dtype_name(v.scalar_type()));
   KD_CHECK(v.sizes() == like.sizes(), vname, " must have shape ", like.sizes(), ", got ",
            v.sizes());
   KD_CHECK(s.size(0) == v.size(0) && s.size(1) == v.size(1), sname, " must have shape [",

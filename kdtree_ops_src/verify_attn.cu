@@ -23,7 +23,7 @@ constexpr int kStageBytes = kKeys * kRowBytes;
 constexpr int kHalfK = kDqk / 2 / 16;                           // 18 k-steps per dim half
 constexpr int kPStride = kKeys + 8;                             // padded P row (bf16)
 constexpr int kSmemKV = 2 * kStageBytes;
-constexpr int kSmemS = 4 * 16 * 32 * 4;
+constexpr int kSmemS = 4 * 2 * 8 * 32 * 4;
 constexpr int kSmemP = kRows * kPStride * 2;
 constexpr int kSmemBytes = kSmemKV + kSmemS + kSmemP + 2 * kRows * 4;
 static_assert(kSmemBytes <= 99 * 1024, "must fit sm_120's 99 KB per block");
@@ -64,6 +64,11 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool v
                "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+template <typename Idx>
+__device__ __forceinline__ void cp_async_idx(uint32_t dst, const Idx* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src),
+               "n"(sizeof(Idx)), "r"(valid ? static_cast<int>(sizeof(Idx)) : 0));
+}
 template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
@@ -119,11 +124,14 @@ template <typename T, typename Idx>
 __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const Params<T> p) {
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* s_kv = smem;
-  float* s_part = reinterpret_cast<float*>(smem + kSmemKV);  // [4][16][32] S halves
+  float* s_part = reinterpret_cast<float*>(smem + kSmemKV);  // [4][2][8][32] S halves
   T* s_p = reinterpret_cast<T*>(smem + kSmemKV + kSmemS);     // [64][kPStride]
   float* s_alpha = reinterpret_cast<float*>(smem + kSmemKV + kSmemS + kSmemP);  // [64]
   float* s_l = s_alpha + kRows;                                                  // [64]
   __shared__ int s_req, s_row0;
+  // Prefix slots of the next tiles, copied in by cp.async one tile ahead of the KV rows they
+  // address, so issuing a tile's loads never waits on an index load from memory.
+  __shared__ Idx s_slot[3][kKeys];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
@@ -186,6 +194,12 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const Params<T
   cp_async_wait<0>();
   __syncthreads();
 
+  auto load_slots = [&](int t) {  // warp 0; zero-filled past the chunk
+    const int pos = pre_begin + t * kKeys + lane;
+    const bool valid = t < pre_tiles && pos < pre_end;
+    cp_async_idx(smem_addr(&s_slot[t % 3][lane]), valid ? kv_indices + pos : kv_indices, valid);
+  };
+
   const int rt = warp & 3, dh = warp >> 2;
   uint32_t qf[kHalfK][4];
 #pragma unroll
@@ -197,14 +211,14 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const Params<T
 
   auto load_tile = [&](int t, int stage) {
     uint8_t* dst = s_kv + stage * kStageBytes;
+    const Idx* slots = s_slot[t % 3];
     for (int c = tid; c < kKeys * kChunks; c += kThreads) {
       const int k = c / kChunks, ch = c - k * kChunks;
       const T* src;
       bool valid;
       if (t < pre_tiles) {
-        const int pos = pre_begin + t * kKeys + k;
-        valid = pos < pre_end;
-        src = valid ? p.kv + static_cast<int64_t>(kv_indices[pos]) * p.kv_stride + ch * 8 : p.kv;
+        valid = pre_begin + t * kKeys + k < pre_end;
+        src = valid ? p.kv + static_cast<int64_t>(slots[k]) * p.kv_stride + ch * 8 : p.kv;
       } else {
         const int pos = (t - pre_tiles) * kKeys + k;
         valid = pos < nodes;
@@ -223,19 +237,26 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const Params<T
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[i][j][e] = 0.f;
-  // running max (log2 domain) and sum of the two rows this thread owns in the softmax
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+  // Softmax: warp (rt, dh) owns row rt*16 + g + 8*dh; running max (log2 domain) and sum.
+  float row_max = -INFINITY, row_sum = 0.f;
 
+  // Pipeline: tile t+1's rows (and tile t+2's slots) load while tile t computes.
+  if (warp == 0) {
+    load_slots(0);
+    load_slots(1);
+    cp_async_commit();
+    cp_async_wait<0>();
+  }
+  __syncthreads();
   if (n_tiles > 0) load_tile(0, 0);
   for (int t = 0; t < n_tiles; ++t) {
     const int stage = t & 1;
+    cp_async_wait<0>();
+    __syncthreads();  // tile t and slots(t+1) visible; iteration t-1 finished with its buffers
     if (t + 1 < n_tiles) {
+      if (warp == 0) load_slots(t + 2);
       load_tile(t + 1, stage ^ 1);
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
     }
-    __syncthreads();
     const uint8_t* kt = s_kv + stage * kStageBytes;
 
     // ---- S half = Q[rows of rt, dims of dh] K^T ----
@@ -257,67 +278,63 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const Params<T
         mma16816<T>(s[j + 1], qf[ks], bf[2], bf[3]);
       }
     }
-    float* part = s_part + rt * (16 * 32);
-    if (dh == 1) {
+    // Each warp keeps the 8 rows it will normalise and hands the other 8 to its partner.
+    float* part = s_part + rt * (2 * 8 * 32);
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < 4; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) part[(j * 4 + e) * 32 + lane] = s[j][e];
-    }
+      for (int e = 0; e < 2; ++e) part[(dh * 8 + j * 2 + e) * 32 + lane] = s[j][(1 - dh) * 2 + e];
     __syncthreads();
 
-    // ---- online softmax on the summed scores (dh == 0 warps: 16 rows x 32 keys each) ----
-    if (dh == 0) {
+    // ---- online softmax: 8 warps x (8 rows x 32 keys) ----
+    {
       const bool tree_tile = t >= pre_tiles;
       const int key0 = tree_tile ? (t - pre_tiles) * kKeys : pre_begin + t * kKeys;
       const int key_end = tree_tile ? nodes : pre_end;
+      const int r = rt * 16 + g + dh * 8;
+      const int m = row0 + r;
+      const int node = m < rows_b ? m / p.heads : 0;
+      const int32_t* mrow = p.mask ? p.mask + (q_begin + node) * p.mask_stride : nullptr;
+      const float* other = part + (1 - dh) * 8 * 32;
+      float x[8];
+      float mx = -INFINITY;
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = rt * 16 + g + half * 8;
-        const int m = row0 + r;
-        const int node = m < rows_b ? m / p.heads : 0;
-        const int32_t* mrow = p.mask ? p.mask + (q_begin + node) * p.mask_stride : nullptr;
-        float x[8];
-        float mx = -INFINITY;
+      for (int j = 0; j < 4; ++j)
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int key = key0 + j * 8 + t4 * 2 + e;
-            bool vis = key < key_end;
-            if (tree_tile && vis) {
-              if (mrow) {
-                const int w = key >> 5;
-                vis = w < p.mask_words && ((mrow[w] >> (key & 31)) & 1);
-              } else {
-                vis = key <= node;
-              }
+        for (int e = 0; e < 2; ++e) {
+          const int key = key0 + j * 8 + t4 * 2 + e;
+          bool vis = key < key_end;
+          if (tree_tile && vis) {
+            if (mrow) {
+              const int w = key >> 5;
+              vis = w < p.mask_words && ((mrow[w] >> (key & 31)) & 1);
+            } else {
+              vis = key <= node;
             }
-            const float v = (s[j][half * 2 + e] + part[(j * 4 + half * 2 + e) * 32 + lane]) *
-                            p.scale_log2;
-            x[j * 2 + e] = vis ? v : -INFINITY;
-            mx = fmaxf(mx, x[j * 2 + e]);
           }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float new_max = fmaxf(row_max[half], mx);
-        // A row with nothing visible yet keeps max -inf; subtract 0 then so exp gives 0, not NaN.
-        const float base = new_max == -INFINITY ? 0.f : new_max;
-        const float alpha = exp2f(row_max[half] - base);
-        row_max[half] = new_max;
-        float sum = 0.f;
-        T* prow = s_p + r * kPStride;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float p0 = exp2f(x[j * 2] - base), p1 = exp2f(x[j * 2 + 1] - base);
-          sum += p0 + p1;
-          *reinterpret_cast<uint32_t*>(prow + j * 8 + t4 * 2) = pack2<T>(p0, p1);
+          const float v = (s[j][dh * 2 + e] + other[(j * 2 + e) * 32 + lane]) * p.scale_log2;
+          x[j * 2 + e] = vis ? v : -INFINITY;
+          mx = fmaxf(mx, x[j * 2 + e]);
         }
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        row_sum[half] = row_sum[half] * alpha + sum;
-        if (t4 == 0) s_alpha[r] = alpha;
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float new_max = fmaxf(row_max, mx);
+      // A row with nothing visible yet keeps max -inf; subtract 0 then so exp gives 0, not NaN.
+      const float base = new_max == -INFINITY ? 0.f : new_max;
+      const float alpha = exp2f(row_max - base);
+      row_max = new_max;
+      float sum = 0.f;
+      T* prow = s_p + r * kPStride;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float p0 = exp2f(x[j * 2] - base), p1 = exp2f(x[j * 2 + 1] - base);
+        sum += p0 + p1;
+        *reinterpret_cast<uint32_t*>(prow + j * 8 + t4 * 2) = pack2<T>(p0, p1);
       }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      row_sum = row_sum * alpha + sum;
+      if (t4 == 0) s_alpha[r] = alpha;
     }
     __syncthreads();
 
@@ -355,17 +372,14 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const Params<T
         }
       }
     }
-    __syncthreads();  // stage and P are free for the next tile
   }
 
   // ---- finish: share each row's max and sum, normalise, write ----
-  if (dh == 0 && t4 == 0) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = rt * 16 + g + half * 8;
-      s_alpha[r] = row_max[half];
-      s_l[r] = row_sum[half];
-    }
+  __syncthreads();  // the last tile's PV has read s_alpha
+  if (t4 == 0) {
+    const int r = rt * 16 + g + dh * 8;
+    s_alpha[r] = row_max;
+    s_l[r] = row_sum;
   }
   __syncthreads();
   const bool direct = p.splits == 1;
@@ -444,8 +458,8 @@ constexpr int kMaxSplits = 64;  // merge kernel keeps one weight per split in sh
 
 void check_rows(const at::Tensor& t, const char* name, const at::Tensor& q, int64_t rows) {
   check_cuda(t, name, q);
-  KD_CHECK(t.scalar_type() == q.scalar_type(), name, " must be ", q.scalar_type(),
-           " like q, got ", t.scalar_type());
+  KD_CHECK(t.scalar_type() == q.scalar_type(), name, " must be ", dtype_name(q.scalar_type()),
+           " like q, got ", dtype_name(t.scalar_type()));
   KD_CHECK((t.dim() == 2 && t.size(1) == kDqk) || (t.dim() == 3 && t.size(1) == 1 && t.size(2) == kDqk),
            name, " must be [", rows < 0 ? "S" : std::to_string(rows), ", 576] or [..., 1, 576], got ",
            t.sizes());
@@ -474,7 +488,7 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   check_dim(q, "q", 3);
   KD_CHECK(q.size(2) == kDqk, "q must be [T, H, 576] (512 absorbed nope + 64 rope), got ", q.sizes());
   KD_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
-           "q must be bfloat16 or float16, got ", q.scalar_type());
+           "q must be bfloat16 or float16, got ", dtype_name(q.scalar_type()));
   check_last_contiguous(q, "q");
   KD_CHECK(q.stride(0) % 8 == 0 && q.stride(1) % 8 == 0 && reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0,
            "q rows must be 16-byte aligned, got strides ", q.strides());
@@ -498,7 +512,7 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   check_cuda(out, "out", q);
   KD_CHECK(out.dim() == 3 && out.size(0) == T && out.size(1) == H && out.size(2) == kDv,
            "out must be [", T, ", ", H, ", 512], got ", out.sizes());
-  KD_CHECK(out.scalar_type() == q.scalar_type(), "out must be ", q.scalar_type(), " like q, got ", out.scalar_type());
+  KD_CHECK(out.scalar_type() == q.scalar_type(), "out must be ", dtype_name(q.scalar_type()), " like q, got ", dtype_name(out.scalar_type()));
   check_last_contiguous(out, "out");
   KD_CHECK(out.stride(0) % 4 == 0 && out.stride(1) % 4 == 0 && reinterpret_cast<uintptr_t>(out.data_ptr()) % 8 == 0,
            "out rows must be 8-byte aligned, got strides ", out.strides());
@@ -515,10 +529,24 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   // Grid: one CTA per (request, 64-row tile) and prefix split. The tile count bound and the
   // split count depend only on shapes and host hints, so the launch is graph-capturable.
   const int64_t tiles = ceil_div(T * H, kRows) + batch;
-  const int sms = num_sms(q);
-  int64_t splits = (sms + ceil_div(T * H, kRows) - 1) / ceil_div(T * H, kRows);
-  if (max_kv_len >= 0) splits = std::min<int64_t>(splits, std::max<int64_t>(1, max_kv_len / 256));
-  splits = std::clamp<int64_t>(splits, 1, kMaxSplits);
+  const int64_t work_tiles = ceil_div(T * H, kRows);  // the row tiles that carry work (about)
+  // Fewest waves per unit of prefix: time ~ ceil(tiles * s / sms) / s; among equals take the
+  // smallest s (less to merge). Short prefixes (hint) are not cut below 256 keys per split.
+  const int64_t sms = num_sms(q);
+  // Splitting only pays while the row tiles alone leave SMs idle: each split re-reads Q and
+  // writes a 2 KB partial per row.
+  int64_t max_split = std::min<int64_t>(kMaxSplits, (2 * sms + work_tiles - 1) / work_tiles);
+  if (max_kv_len >= 0) max_split = std::clamp<int64_t>(max_kv_len / 256, 1, max_split);
+  if (work_tiles >= sms) max_split = 1;
+  int64_t splits = 1;
+  double best = 1e30;
+  for (int64_t s = 1; s <= max_split; ++s) {
+    const double cost = static_cast<double>((work_tiles * s + sms - 1) / sms) / s;
+    if (cost < best * 0.999) {
+      best = cost;
+      splits = s;
+    }
+  }
   KD_CHECK(tiles < (int64_t{1} << 31), "too many rows");
 
   at::Tensor part_o, part_lse;
