@@ -229,3 +229,63 @@ def test_bench_verify_attn(benchmark, B, H, N, ctx):
 
 
 # ---- kv movement ----
+
+import math  # noqa: E402
+
+
+@pytest.mark.parametrize("disjoint", [True, False])
+def test_bench_move_kv(benchmark, disjoint):
+    """61 layers x 4096 moved slots of bf16 [S, 576] rows, scattered over a 14 GB pool.
+
+    GB/s counts each moved row once read and once written (the work asked for); the
+    overlapping path (disjoint=False) really moves twice that through its scratch buffer."""
+    layers, n, S, D = 61, 4096, 200_000, 576
+    kv = [torch.randn(S, D, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+    perm = torch.randperm(S, device="cuda")
+    if disjoint:
+        src, dst = perm[:n], perm[n : 2 * n]
+    else:
+        src, dst = perm[:n], perm[n // 2 : n // 2 + n]  # half the destinations are also sources
+    ms = gpu_time_ms(lambda: kdtree_ops.move_kv(kv, src, dst, disjoint=disjoint), reps=30)
+    nbytes = 2 * layers * n * D * 2
+    report(benchmark, f"move_kv bf16 {layers} layers x {n} slots disjoint={disjoint}", ms, nbytes=nbytes)
+    run(benchmark, lambda: kdtree_ops.move_kv(kv, src, dst, disjoint=disjoint))
+
+
+def verify_attn_defrag_effect(benchmark, prefix: int = 131072, heads: int = 16, nodes: int = 9, pool_gb: float = 40.0):
+    """verify_attn over one request's prefix in a >= pool_gb pool: slots scattered at random
+    versus one contiguous run (what defrag produces). Reports both and their ratio."""
+    D = 576
+    S = int(pool_gb * 1e9 / (D * 2)) + 1
+    kv = torch.empty(S, D, device="cuda", dtype=torch.bfloat16)
+    scattered = torch.randperm(S - 1, device="cuda")[:prefix] + 1
+    start = int(torch.randint(1, S - prefix, (1,)))
+    contiguous = torch.arange(start, start + prefix, device="cuda")
+    for idx in (scattered, contiguous):  # never time on uninitialised (or zero) rows
+        kv[idx] = torch.randn(prefix, D, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(nodes, heads, D, device="cuda", dtype=torch.bfloat16)
+    tree_k = torch.randn(nodes, D, device="cuda", dtype=torch.bfloat16)
+    parents = [-1] + [(i - 1) // 2 for i in range(1, nodes)]
+    rows = []
+    for i, p in enumerate(parents):
+        rows.append((rows[p] if p >= 0 else 0) | (1 << i))
+    words = torch.tensor([[(r >> (32 * w)) & 0xFFFFFFFF for w in range((nodes + 31) // 32)] for r in rows])
+    tree_mask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).cuda()  # bit pattern as int32
+    kv_indptr = torch.tensor([0, prefix], dtype=torch.int32, device="cuda")
+    qo_indptr = torch.tensor([0, nodes], dtype=torch.int32, device="cuda")
+    scale = 1 / math.sqrt(192)
+    nbytes = prefix * D * 2 + q.numel() * 2 + nodes * heads * 512 * 2
+    times = {}
+    for name, idx in (("scattered", scattered), ("defragmented", contiguous)):
+        call = lambda idx=idx: kdtree_ops.verify_attn(q, kv, kv_indptr, idx, qo_indptr, tree_k, tree_mask, scale)  # noqa: E731
+        times[name] = gpu_time_ms(call, reps=30)
+        report(benchmark, f"verify_attn {name} slots {prefix // 1024}k H={heads} N={nodes} pool {pool_gb:.0f}GB", times[name], nbytes=nbytes)
+    report(benchmark, "verify_attn defrag speedup (scattered/defragmented)", times["defragmented"],
+           speedup=times["scattered"] / times["defragmented"])
+    run(benchmark, lambda: kdtree_ops.verify_attn(q, kv, kv_indptr, contiguous, qo_indptr, tree_k, tree_mask, scale))
+    del kv
+
+
+@pytest.mark.skipif(not hasattr(kdtree_ops, "verify_attn"), reason="needs kdtree_ops.verify_attn")
+def test_bench_verify_attn_defrag_effect(benchmark):
+    verify_attn_defrag_effect(benchmark)

@@ -646,7 +646,126 @@ def sglang_mask_to_packed(
 
 # ---- tree ops ----
 
-
 # ---- kv movement ----
 
+
+def _row_bytes(kv: torch.Tensor) -> int:
+    return math.prod(kv.shape[1:]) * kv.element_size()
+
+
+def _check_move_args(kv_layers, src_slots, dst_slots):
+    for name, t in (("src_slots", src_slots), ("dst_slots", dst_slots)):
+        torch._check(t.dtype in (torch.int32, torch.int64), lambda: f"kdtree: {name} must be int32 or int64, got {t.dtype}")
+        torch._check(t.dim() == 1, lambda: f"kdtree: {name} must have 1 dims, got shape {tuple(t.shape)}")
+    torch._check(
+        dst_slots.dtype == src_slots.dtype,
+        lambda: f"kdtree: dst_slots must be {src_slots.dtype} like src_slots, got {dst_slots.dtype}",
+    )
+    torch._check(
+        dst_slots.numel() == src_slots.numel(),
+        lambda: f"kdtree: dst_slots must have {src_slots.numel()} entries like src_slots, got {dst_slots.numel()}",
+    )
+    if not kv_layers:
+        return
+    first = kv_layers[0]
+    torch._check(first.dim() >= 1, lambda: "kdtree: kv_layers[0] must be [S, ...], got a scalar")
+    for i, kv in enumerate(kv_layers):
+        torch._check(
+            kv.dim() >= 1 and kv.shape[0] == first.shape[0],
+            lambda: f"kdtree: kv_layers[{i}] must have {first.shape[0]} slots like kv_layers[0], got shape {tuple(kv.shape)}",
+        )
+        torch._check(
+            _row_bytes(kv) == _row_bytes(first),
+            lambda: f"kdtree: kv_layers[{i}] must have rows of {_row_bytes(first)} bytes like kv_layers[0], got {_row_bytes(kv)}",
+        )
+        torch._check(kv.device == src_slots.device, lambda: f"kdtree: kv_layers[{i}] must be on {src_slots.device}, got {kv.device}")
+        torch._check(kv[0].is_contiguous() if kv.shape[0] else True, lambda: f"kdtree: kv_layers[{i}] must have contiguous rows (only dim 0 may be strided), got strides {kv.stride()}")
+
+
+def _check_move_slots(src, dst, slots: int, disjoint: bool) -> None:
+    """The check-mode validation, on real data (the CUDA impl does the same on the device)."""
+    live = (src >= 0) & (dst >= 0)
+    bad = live & ((src >= slots) | (dst >= slots))
+    if bad.any():
+        i = int(bad.nonzero()[0])
+        raise RuntimeError(
+            f"kdtree: src_slots/dst_slots must lie in [0, {slots}) (negative marks padding), "
+            f"got src_slots[{i}] = {int(src[i])}, dst_slots[{i}] = {int(dst[i])}"
+        )
+    d = dst[live]
+    uniq, counts = torch.unique(d, return_counts=True)
+    if (counts > 1).any():
+        raise RuntimeError(f"kdtree: dst_slots must be distinct, but {int(uniq[counts > 1][0])} appears more than once")
+    if disjoint:
+        s = src[live]
+        clash = torch.isin(s, d) & (s != d)
+        if clash.any():
+            raise RuntimeError(
+                f"kdtree: disjoint=True needs src_slots and dst_slots to share no slot, but {int(s[clash][0])} is both"
+            )
+
+
+@_define("move_kv(Tensor(a!)[] kv_layers, Tensor src_slots, Tensor dst_slots, *, bool disjoint=False) -> ()")
+def _move_kv_cpu(kv_layers, src_slots, dst_slots, disjoint=False):
+    _check_move_args(kv_layers, src_slots, dst_slots)
+    if not kv_layers:
+        return
+    _check_move_slots(src_slots, dst_slots, kv_layers[0].shape[0], disjoint)
+    live = (src_slots >= 0) & (dst_slots >= 0)
+    src, dst = src_slots[live], dst_slots[live]
+    for kv in kv_layers:
+        # Indexing with dtype views keeps fp8 (and other exotic dtypes) byte-exact.
+        rows = kv.view(torch.uint8) if kv.element_size() == 1 else kv
+        rows[dst] = rows[src]  # rows[src] is a gathered copy: every read precedes every write
+
+
+@torch.library.register_fake("kdtree::move_kv")
+def _move_kv_fake(kv_layers, src_slots, dst_slots, disjoint=False):
+    _check_move_args(kv_layers, src_slots, dst_slots)
+
+
+def move_kv(
+    kv_layers: Sequence[torch.Tensor], src_slots: torch.Tensor, dst_slots: torch.Tensor, *, disjoint: bool = False
+) -> None:
+    """Copy KV rows between slots in every layer: ``kv[dst[i]] = kv[src[i]]``.
+
+    All reads happen before any write, so src and dst may overlap (e.g. compacting accepted
+    tree nodes to the front of their verify window). One launch per 64 layers on the CUDA
+    path (two when ``disjoint`` is false: gather into a scratch buffer, then scatter), no host
+    sync, capturable in CUDA graphs.
+
+    Parameters
+    ----------
+    kv_layers : list of Tensor [S, ...]
+        The pool's per-layer buffers (e.g. SGLang's ``MLATokenToKVPool.kv_buffer``), modified in
+        place. Any dtype (fp8 stored as uint8 too): rows are copied as bytes. All layers need the
+        same slot count S and row size in bytes; each row must be contiguous (dim 0 may be
+        strided).
+    src_slots, dst_slots : Tensor [n], int32 or int64 (same dtype)
+        Slot pairs. A pair with a negative slot in either tensor is padding and skipped, so
+        fixed-size, padded pair lists work under CUDA graphs. Non-padding dst slots must be
+        distinct. With ``KDTREE_CHECK=1`` ranges and distinctness are validated (host sync);
+        otherwise out-of-range pairs are skipped.
+    disjoint : bool
+        Promise that no slot is both a source and another pair's destination: copies in a
+        single pass (half the memory traffic). Breaking the promise gives undefined row
+        contents (validated in check mode).
+    """
+    torch.ops.kdtree.move_kv(list(kv_layers), src_slots, dst_slots, disjoint=disjoint)
+
 _load_cuda()
+
+# KDTREE_VERIFY=validate|on: hook SGLang's verify attention (sglang_hook.py). Only when SGLang
+# is importable, and a hook problem never fails this import.
+if os.environ.get("KDTREE_VERIFY", "off").strip().lower() not in ("", "off"):
+    try:
+        import importlib.util
+
+        if importlib.util.find_spec("sglang") is not None:
+            import sglang_hook
+
+            sglang_hook.maybe_install_from_env()
+    except Exception as _e:  # noqa: BLE001
+        import logging
+
+        logging.getLogger("kdtree_ops").warning("kdtree_ops: SGLang verify hook not installed: %s", _e)

@@ -439,3 +439,846 @@ def test_verify_attn_rejects_bad_input(device):
 
 
 # ---- kv movement ----
+
+import defrag  # noqa: E402  (kept with its tests so other sections stay independent)
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+# (row shape, dtype): MLA latent rows, fp8-as-bytes, odd row sizes for every vector width
+MOVE_LAYOUTS = [
+    ((576,), torch.bfloat16),
+    ((1, 576), torch.bfloat16),
+    ((576,), torch.uint8),
+    ((1, 576), torch.float32),
+    ((3,), torch.float32),  # 12-byte rows: 4-byte vectors
+    ((1, 5), torch.bfloat16),  # 10-byte rows: 2-byte vectors
+    ((7,), torch.uint8),  # 7-byte rows: byte copies
+]
+
+
+def kv_pool(S, row_shape, dtype, layers, device, gen=None):
+    bits = torch.randint(0, 256, (layers, S, *row_shape[:-1], row_shape[-1] * torch.empty(0, dtype=dtype).element_size()), dtype=torch.uint8, generator=gen)
+    return [b.view(dtype).to(device) for b in bits]  # random bytes, NaN patterns included
+
+
+def move_pairs(S, n, overlap, gen, pad_frac=0.1, dtype=torch.int64):
+    """n slot pairs with distinct dst; src drawn from all slots (overlap) or from non-dst slots."""
+    perm = torch.randperm(S, generator=gen)
+    dst = perm[:n]
+    pool = perm if overlap else perm[n:]
+    src = pool[torch.randint(0, pool.numel(), (n,), generator=gen)]
+    pad = torch.rand(n, generator=gen) < pad_frac
+    src[pad & (torch.rand(n, generator=gen) < 0.5)] = -1
+    dst[pad] = -1
+    return src.to(dtype), dst.to(dtype)
+
+
+def move_kv_naive(kv_layers, src, dst):
+    """The specification, one pair at a time, from a snapshot."""
+    out = [kv.clone() for kv in kv_layers]
+    for kv, o in zip(kv_layers, out):
+        for s, d in zip(src.tolist(), dst.tolist()):
+            if s >= 0 and d >= 0:
+                o[d] = kv[s]
+    return out
+
+
+def same_bytes(a, b):
+    return torch.equal(a.cpu().contiguous().view(torch.uint8), b.cpu().contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("disjoint", [False, True])
+@pytest.mark.parametrize("row_shape,dtype", MOVE_LAYOUTS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_move_kv_matches_spec(device, row_shape, dtype, disjoint):
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    S, n, layers = 97, 41, 3
+    kv = kv_pool(S, row_shape, dtype, layers, "cpu", g)
+    src, dst = move_pairs(S, n, overlap=not disjoint, gen=g)
+    want = move_kv_naive(kv, src, dst)
+    got = [t.to(device) for t in kv]
+    kdtree_ops.move_kv(got, src.to(device), dst.to(device), disjoint=disjoint)
+    assert all(same_bytes(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_move_kv_chains_cycles_and_many_layers(device):
+    """Permutation cycles (every src is a dst), int32 indices, >64 layers (two launches),
+    and a strided [S,1,512] view of a [S,1,576] pool (SGLang's value buffer)."""
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    S = 300
+    kv = kv_pool(S, (1, 576), torch.bfloat16, 70, "cpu", g)
+    cyc = torch.randperm(S, generator=g)[:120]
+    src, dst = cyc.to(torch.int32), cyc.roll(1).to(torch.int32)
+    views = [t[..., :512] for t in kv]
+    want = move_kv_naive(kv, src, dst)
+    got = [t.to(device) for t in kv]
+    kdtree_ops.move_kv(got, src.to(device), dst.to(device))
+    assert all(same_bytes(a, b) for a, b in zip(got, want))
+    want_v = move_kv_naive(views, src, dst)
+    got = [t.to(device) for t in kv]
+    got_v = [t[..., :512] for t in got]
+    kdtree_ops.move_kv(got_v, src.to(device), dst.to(device))
+    assert all(same_bytes(a, b) for a, b in zip(got_v, want_v))
+    assert all(same_bytes(a[..., 512:], b[..., 512:]) for a, b in zip(got, kv))  # untouched
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_move_kv_check_mode(device, monkeypatch):
+    monkeypatch.setenv("KDTREE_CHECK", "1")
+    kv = kv_pool(10, (8,), torch.bfloat16, 2, device)
+    t = lambda *x: torch.tensor(x, device=device)  # noqa: E731
+    with pytest.raises(RuntimeError, match="dst_slots must be distinct"):
+        kdtree_ops.move_kv(kv, t(1, 2), t(3, 3))
+    with pytest.raises(RuntimeError, match="must lie in"):
+        kdtree_ops.move_kv(kv, t(1, 10), t(3, 4))
+    with pytest.raises(RuntimeError, match="disjoint=True needs"):
+        kdtree_ops.move_kv(kv, t(1, 3), t(3, 4), disjoint=True)
+    kdtree_ops.move_kv(kv, t(1, -1, 5), t(-1, 3, 3))  # padding pairs never count
+
+
+def test_move_kv_rejects_bad_input():
+    kv = kv_pool(10, (8,), torch.bfloat16, 2, "cpu")
+    cases = [
+        ((kv, torch.tensor([1.0]), torch.tensor([2.0])), "src_slots must be int32 or int64"),
+        ((kv, torch.tensor([1]), torch.tensor([2], dtype=torch.int32)), "dst_slots must be torch.int64"),
+        ((kv, torch.tensor([1, 2]), torch.tensor([2])), "dst_slots must have 2 entries"),
+        ((kv + [torch.zeros(11, 8, dtype=torch.bfloat16)], torch.tensor([1]), torch.tensor([2])), r"kv_layers\[2\] must have 10 slots"),
+        ((kv + [torch.zeros(10, 4, dtype=torch.bfloat16)], torch.tensor([1]), torch.tensor([2])), r"kv_layers\[2\] must have rows of 16 bytes"),
+    ]
+    for dev in ["cpu"] + (["cuda"] if GPU else []):
+        for (layers, s, d), msg in cases:
+            with pytest.raises(RuntimeError, match=msg):
+                kdtree_ops.move_kv([x.to(dev) for x in layers], s.to(dev), d.to(dev))
+    if GPU:
+        with pytest.raises(RuntimeError, match="contiguous rows"):
+            kdtree_ops.move_kv([torch.zeros(10, 8, 2, device="cuda")[..., 0]], torch.tensor([1], device="cuda"), torch.tensor([2], device="cuda"))
+        with pytest.raises(RuntimeError, match=r"kv_layers\[0\] must be a CUDA tensor"):
+            kdtree_ops.move_kv([kv[0]], torch.tensor([1], device="cuda"), torch.tensor([2], device="cuda"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_move_kv_opcheck(device):
+    g = torch.Generator().manual_seed(0)
+    kv = kv_pool(33, (1, 24), torch.bfloat16, 3, device, g)
+    src, dst = move_pairs(33, 9, overlap=True, gen=g)
+    torch.library.opcheck(torch.ops.kdtree.move_kv.default, (kv, src.to(device), dst.to(device)))
+    torch.library.opcheck(torch.ops.kdtree.move_kv.default, (kv, src.to(device), dst.to(device)), {"disjoint": False})
+
+
+@needs_gpu
+@pytest.mark.parametrize("disjoint", [False, True])
+def test_move_kv_cuda_graph(disjoint):
+    S, n, layers = 4099, 517, 5
+    last = {}
+
+    def make_inputs():
+        g = torch.Generator().manual_seed(torch.seed() % 2**31)
+        src, dst = move_pairs(S, n, overlap=not disjoint, gen=g)
+        kv = kv_pool(S, (1, 576), torch.bfloat16, layers, "cpu", g)
+        last["want"] = move_kv_naive(kv, src, dst)
+        return [src.cuda(), dst.cuda(), *[t.cuda() for t in kv]]
+
+    def fn(src, dst, *kv):
+        kdtree_ops.move_kv(list(kv), src, dst, disjoint=disjoint)
+
+    def check(inputs, out):
+        assert all(same_bytes(a, b) for a, b in zip(inputs[2:], last["want"]))
+
+    graph_replay(fn, make_inputs, check)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_move_kv_compile(device):
+    @torch.compile(fullgraph=True)
+    def f(a, b, src, dst):
+        kdtree_ops.move_kv([a, b], src, dst)
+        return a.float().sum(-1) + b.float().sum(-1)
+
+    g = torch.Generator().manual_seed(1)
+    kv = kv_pool(40, (16,), torch.float32, 2, "cpu", g)
+    kv = [t.nan_to_num(0.0, 0.0, 0.0) for t in kv]
+    src, dst = move_pairs(40, 12, overlap=True, gen=g)
+    want = move_kv_naive(kv, src, dst)
+    got = [t.to(device) for t in kv]
+    out = f(*got, src.to(device), dst.to(device))
+    assert all(same_bytes(a, b) for a, b in zip(got, want))
+    assert torch.allclose(out.cpu(), want[0].sum(-1) + want[1].sum(-1))
+
+
+# accept: random increasing root-first paths through N-node windows
+
+
+def accepted_paths(B, N, width, gen, device):
+    accepted = torch.full((B, width), -1, dtype=torch.int32)
+    accept_len = torch.zeros(B, dtype=torch.int32)
+    for b in range(B):
+        k = int(torch.randint(0, min(N, width) + 1, (1,), generator=gen))  # 0: padding request
+        if k:
+            rest = torch.randperm(N - 1, generator=gen)[: k - 1].sort().values + 1
+            accepted[b, :k] = torch.cat((torch.zeros(1, dtype=torch.int32), rest.int()))
+        accept_len[b] = k
+    return accepted.to(device), accept_len.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_commit_accept_compacts_windows(device):
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    B, N, width, S, ctx = 5, 9, 7, 120, 64
+    kv = kv_pool(S, (1, 24), torch.bfloat16, 3, device, g)
+    loc = (torch.randperm(S - 1, generator=g)[: B * N] + 1).to(device)
+    rows = torch.tensor([3, 1, 4, 2, 5], device=device)
+    prefix = torch.tensor([0, 10, 50, 33, 7], device=device)
+    rtt = torch.randint(1, S, (8, ctx), dtype=torch.int32, generator=g).to(device)
+    accepted, accept_len = accepted_paths(B, N, width, g, device)
+    before, rtt0 = [t.clone() for t in kv], rtt.clone()
+    m = defrag.commit_accept(kv, rtt, rows, prefix, accepted, accept_len, loc, N)
+    want_rtt = rtt0.clone()
+    win = loc.view(B, N)
+    for b in range(B):
+        k, r, p = int(accept_len[b]), int(rows[b]), int(prefix[b])
+        for j in range(k):
+            node = int(accepted[b, j])
+            for a, o in zip(kv, before):
+                assert same_bytes(a[win[b, j]], o[win[b, node]])
+            want_rtt[r, p + j] = win[b, j]
+        assert m.kept[b, :k].tolist() == win[b, :k].tolist() and (m.kept[b, k:] == -1).all()
+        assert m.freed[b].tolist() == [-1] * k + win[b, k:].tolist()
+    assert torch.equal(rtt, want_rtt)
+
+
+@needs_gpu
+def test_commit_accept_cuda_graph():
+    B, N, width, S, ctx = 4, 17, 9, 2000, 256
+    last = {}
+
+    def make_inputs():
+        g = torch.Generator().manual_seed(torch.seed() % 2**31)
+        kv = kv_pool(S, (576,), torch.bfloat16, 3, "cpu", g)
+        loc = torch.randperm(S - 1, generator=g)[: B * N] + 1
+        accepted, accept_len = accepted_paths(B, N, width, g, "cpu")
+        rtt = torch.randint(1, S, (B + 1, ctx), dtype=torch.int32, generator=g)
+        rows, prefix = torch.randperm(B, generator=g) + 1, torch.randint(0, ctx - width, (B,), generator=g)
+        ref = [t.clone() for t in kv]
+        ref_rtt = rtt.clone()
+        m = defrag.commit_accept(ref, ref_rtt, rows, prefix, accepted, accept_len, loc, N)
+        last.update(kv=ref, rtt=ref_rtt, m=m)
+        return [rtt.cuda(), rows.cuda(), prefix.cuda(), accepted.cuda(), accept_len.cuda(), loc.cuda(), *[t.cuda() for t in kv]]
+
+    def fn(rtt, rows, prefix, accepted, accept_len, loc, *kv):
+        return defrag.commit_accept(list(kv), rtt, rows, prefix, accepted, accept_len, loc, N)
+
+    def check(inputs, out):
+        assert torch.equal(inputs[0].cpu(), last["rtt"])
+        assert all(same_bytes(a, b) for a, b in zip(inputs[6:], last["kv"]))
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(out, last["m"]))
+
+    graph_replay(fn, make_inputs, check)
+
+
+# defrag: random allocate / finish / verify / defragment histories against a shadow model
+
+
+class PoolSim:
+    """Drives a pool through allocations and checks after every step that each request reads
+    exactly the bytes it wrote, in order, and that slot ownership is a partition."""
+
+    def __init__(self, kind, device, size=48, rows=5, ctx=40, layers=2, gen=None):
+        self.gen, self.size, self.rows, self.ctx = gen, size, rows, ctx
+        if kind == "tensor":
+            self.pool = defrag.TensorPool(
+                req_to_token=torch.zeros(rows + 1, ctx, dtype=torch.int32, device=device),
+                kv_layers=kv_pool(size + 1, (1, 6), torch.bfloat16, layers, device, gen),
+                free_slots=torch.arange(1, size + 1, device=device),
+                size=size,
+            )
+            self.allocator = None
+        else:
+            mp = pytest.importorskip("sglang.srt.mem_cache.memory_pool")
+            tok = pytest.importorskip("sglang.srt.mem_cache.allocator.token")
+            rtp = mp.ReqToTokenPool(size=rows, max_context_len=ctx, device=device, enable_memory_saver=False)
+            kv = mp.MLATokenToKVPool(size=size, page_size=1, dtype=torch.bfloat16, kv_lora_rank=4, qk_rope_head_dim=2,
+                                     layer_num=layers, device=device, enable_memory_saver=False)
+            self.allocator = tok.TokenToKVPoolAllocator(size=size, dtype=torch.bfloat16, device=device, kvcache=kv,
+                                                        need_sort=kind == "sglang-sort")
+            self.pool = defrag.SGLangPool(rtp, self.allocator)
+        self.device = device
+        self.lens: dict[int, int] = {}
+        self.want: dict[int, torch.Tensor] = {}  # row -> [len, layers, row bytes] uint8
+
+    # allocator
+    def free_count(self):
+        return self.pool.free().numel()
+
+    def alloc(self, n):
+        if self.allocator is not None:
+            return self.allocator.alloc(n)
+        f = self.pool.free_slots
+        self.pool.free_slots = f[n:]
+        return f[:n]
+
+    def release(self, slots):
+        if self.allocator is not None:
+            self.allocator.free(slots)
+        else:
+            self.pool.free_slots = torch.cat((self.pool.free_slots, slots))
+
+    def layers(self):
+        return self.pool.kv_groups[0]
+
+    def fill(self, slots):
+        """Write fresh random bytes into the slots; return them [n, layers, row bytes]."""
+        rows = []
+        for kv in self.layers():
+            b = kv.view(torch.uint8) if kv.dtype != torch.uint8 else kv
+            fresh = torch.randint(0, 256, (slots.numel(), *b.shape[1:]), dtype=torch.uint8, generator=self.gen)
+            b[slots] = fresh.to(self.device)
+            rows.append(fresh.reshape(slots.numel(), math.prod(b.shape[1:])))
+        return torch.stack(rows, 1)
+
+    def live(self):
+        rows = sorted(self.lens)
+        return rows, [self.lens[r] for r in rows]
+
+    # steps
+    def extend(self, row, n):
+        slots = self.alloc(n)
+        L = self.lens.get(row, 0)
+        self.pool.req_to_token[row, L : L + n] = slots.to(torch.int32)
+        fresh = self.fill(slots)
+        self.want[row] = torch.cat((self.want[row], fresh)) if row in self.want else fresh
+        self.lens[row] = L + n
+
+    def finish(self, row):
+        L = self.lens.pop(row)
+        self.want.pop(row)
+        self.release(self.pool.req_to_token[row, :L].long())
+
+    def verify(self, rows, N, gen):
+        B = len(rows)
+        loc = self.alloc(B * N)
+        nodes = self.fill(loc).view(B, N, *self.want[rows[0]].shape[1:])
+        accepted, accept_len = accepted_paths(B, N, N + 1, gen, "cpu")
+        accept_len.clamp_(min=1)
+        accepted[:, 0] = 0
+        prefix = torch.tensor([self.lens[r] for r in rows])
+        m = defrag.commit_accept(self.layers(), self.pool.req_to_token, torch.tensor(rows, device=self.device),
+                                 prefix.to(self.device), accepted.to(self.device), accept_len.to(self.device), loc, N)
+        freed = m.freed.reshape(-1)
+        self.release(freed[freed > 0])
+        for b, r in enumerate(rows):
+            k = int(accept_len[b])
+            self.want[r] = torch.cat((self.want[r], nodes[b, accepted[b, :k].long()]))
+            self.lens[r] += k
+
+    def snapshot(self):
+        return (self.pool.req_to_token.clone(), self.pool.free().clone(), [kv.clone() for kv in self.layers()])
+
+    def check(self):
+        rows, lens = self.live()
+        defrag.check_partition(self.pool, rows, lens)
+        for r in rows:
+            slots = self.pool.req_to_token[r, : self.lens[r]].long()
+            got = torch.stack([(kv.view(torch.uint8) if kv.dtype != torch.uint8 else kv)[slots].reshape(slots.numel(), -1).cpu() for kv in self.layers()], 1)
+            assert torch.equal(got, self.want[r]), f"row {r} lost KV"
+
+
+def run_history(sim: PoolSim, data, steps=20):
+    gen = sim.gen
+    for _ in range(steps):
+        rows, lens = sim.live()
+        op = data.draw(st.sampled_from(["extend", "extend", "finish", "verify", "verify", "defrag", "defrag_one"]))
+        if op == "extend":
+            row = data.draw(st.integers(1, sim.rows))
+            n = data.draw(st.integers(1, 6))
+            if sim.lens.get(row, 0) + n <= sim.ctx and n <= sim.free_count():
+                sim.extend(row, n)
+        elif op == "finish" and rows:
+            sim.finish(data.draw(st.sampled_from(rows)))
+        elif op == "verify" and rows:
+            N = data.draw(st.integers(1, 5))
+            batch = data.draw(st.lists(st.sampled_from(rows), min_size=1, max_size=3, unique=True))
+            batch = [r for r in batch if sim.lens[r] + N <= sim.ctx]
+            if batch and len(batch) * N <= sim.free_count():
+                sim.verify(batch, N, gen)
+        elif op in ("defrag", "defrag_one") and rows:
+            kw = {"byte_budget": data.draw(st.sampled_from([None, 0, 200, 2000]))}
+            if op == "defrag_one":
+                kw["requests"] = [data.draw(st.sampled_from(rows))]
+            else:
+                kw["min_runs"] = data.draw(st.integers(1, 3))
+            before = sim.snapshot()
+            p = defrag.defragment(sim.pool, rows, lens, **kw)
+            if not p.compacted:
+                after = sim.snapshot()
+                assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+                assert all(same_bytes(a, b) for a, b in zip(before[2], after[2]))
+            else:
+                runs = defrag.fragmentation(sim.pool.req_to_token, p.compacted, p.lens)
+                assert (runs <= 1).all()
+            if op == "defrag_one" and p.reason is None:
+                assert p.compacted == kw["requests"]
+        sim.check()
+
+
+HISTORY_SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@HISTORY_SETTINGS
+@given(data=st.data())
+def test_defrag_history_tensor_pool(device, data):
+    sim = PoolSim("tensor", device, gen=torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1))))
+    run_history(sim, data)
+
+
+@pytest.mark.parametrize("kind", ["sglang-sort", "sglang-nosort"])
+@HISTORY_SETTINGS
+@given(data=st.data())
+def test_defrag_history_sglang_pool(kind, data):
+    sim = PoolSim(kind, "cpu", gen=torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1))))
+    run_history(sim, data)
+
+
+def test_defrag_refuses_without_room_and_changes_nothing():
+    g = torch.Generator().manual_seed(3)
+    sim = PoolSim("tensor", "cpu", size=12, gen=g)
+    for row in (1, 2, 1, 2, 1, 2):  # interleave two requests over the whole pool
+        sim.extend(row, 2)
+    rows, lens = sim.live()
+    assert defrag.fragmentation(sim.pool.req_to_token, rows, lens).tolist() == [3, 3]
+    before = sim.snapshot()
+    p = defrag.defragment(sim.pool, rows, lens, requests=[1])
+    assert not p.compacted and "no run of 6 contiguous free slots" in p.reason
+    after = sim.snapshot()
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+    sim.finish(2)  # now request 1's own slots plus the freed ones make room
+    rows, lens = sim.live()
+    p = defrag.defragment(sim.pool, rows, lens, requests=[1])
+    assert p.compacted == [1] and p.reason is None
+    assert defrag.fragmentation(sim.pool.req_to_token, rows, lens).tolist() == [1]
+    sim.check()
+
+
+def test_defrag_budget_and_pinned():
+    g = torch.Generator().manual_seed(4)
+    sim = PoolSim("tensor", "cpu", size=64, gen=g)
+    for row in (1, 2, 3, 1, 2, 3):
+        sim.extend(row, 3)
+    rows, lens = sim.live()
+    per_slot = 2 * 6 * 2  # 2 layers of [1, 6] bf16
+    p = defrag.plan(sim.pool, rows, lens, byte_budget=8 * per_slot)  # each needs all 6 moved
+    assert len(p.compacted) == 1 and p.bytes == 6 * per_slot
+    assert all("over budget" in why for why in p.skipped.values())
+    pinned = sim.pool.req_to_token[2, :1].long()
+    p = defrag.plan(sim.pool, rows, lens, byte_budget=None, pinned=pinned)
+    assert 2 not in p.compacted and "pinned" in p.skipped[2]
+    defrag.apply(sim.pool, p)
+    sim.check()
+    with pytest.raises(ValueError, match="stale"):
+        defrag.apply(sim.pool, p)  # already applied: the slots it expects have moved
+
+
+# ---- sglang hook ----
+# The hook against the real SGLang 0.5.23 classes on CPU (kdtree_ops' CPU reference ops stand
+# in for the CUDA kernels), and on a GPU against SGLang's own Triton kernel.
+
+import logging as _logging
+import types as _types
+
+import sglang_hook
+
+
+@pytest.fixture(scope="module")
+def sgl():
+    """A real TritonAttnBackend over a real MLATokenToKVPool (512 + 64, so layers are MLA)."""
+    pytest.importorskip("sglang")
+    transformers = pytest.importorskip("transformers")
+    tb = pytest.importorskip("sglang.srt.layers.attention.triton_backend")
+    from sglang.srt.configs.model_config import AttentionArch
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    H, layers = 4, 3
+    reset_context()
+    publish(ServerArgs(model_path="dummy", device="cpu", attention_backend="triton"), role="test",
+            ranks=SpawnRanks(world_rank=0, dp_rank=None))
+    rtp = ReqToTokenPool(size=4, max_context_len=128, device="cpu", enable_memory_saver=False)
+    kv = MLATokenToKVPool(size=512, page_size=1, dtype=torch.bfloat16, kv_lora_rank=512, qk_rope_head_dim=64,
+                          layer_num=layers, device="cpu", enable_memory_saver=False)
+    alloc = TokenToKVPoolAllocator(size=512, dtype=torch.bfloat16, device="cpu", kvcache=kv, need_sort=False)
+    mc = _types.SimpleNamespace(
+        attention_arch=AttentionArch.MLA, hf_config=transformers.PretrainedConfig(model_type="llama"),
+        linear_attn_registry_result=None, get_max_num_attention_heads=lambda: H,
+        get_num_kv_heads=lambda tp, dcp=1: 1, v_head_dim=512, swa_v_head_dim=None, context_len=128,
+        head_dim=576, is_encoder_decoder=False, is_draft_model=False)
+    mr = _types.SimpleNamespace(
+        req_to_token_pool=rtp, token_to_kv_pool=kv, token_to_kv_pool_allocator=alloc, sliding_window_size=None,
+        page_size=1, kv_index_translator=None, decode_num_tokens_per_req=lambda: 1, model_config=mc,
+        is_draft_worker=False, device="cpu", gpu_id=0, spec_algorithm=None, kv_cache_dtype=torch.bfloat16)
+    backend = tb.TritonAttnBackend(mr)
+    mk_layer = lambda lid, **kw: RadixAttention(H, kw.pop("head_dim", 576), 576**-0.5, 1, lid, v_head_dim=kw.pop("v_head_dim", 512), **kw)
+    yield _types.SimpleNamespace(tb=tb, backend=backend, kv=kv, alloc=alloc, H=H, layers=layers, mk_layer=mk_layer,
+                                 ForwardMode=ForwardMode)
+    sglang_hook.uninstall()
+    reset_context()
+
+
+@pytest.fixture
+def hook(sgl, monkeypatch):
+    """Install with a spy standing in for SGLang's forward_extend (its Triton kernels cannot run on
+    CPU); uninstall before monkeypatch puts the real method back."""
+    calls = []
+
+    def spy(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, score_mod=None, aux_tensors=None):
+        calls.append(forward_batch.forward_mode)
+        return spy.result(q, layer)
+
+    spy.result = lambda q, layer: torch.full((q.shape[0], layer.tp_q_head_num * layer.v_head_dim), 7.0, dtype=q.dtype)
+    for name in ("KDTREE_PROFILE", "KDTREE_DEFRAG", "KDTREE_LOG_EVERY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(sgl.tb.TritonAttnBackend, "forward_extend", spy)
+    sglang_hook.uninstall()
+    yield _types.SimpleNamespace(calls=calls, spy=spy)
+    sglang_hook.uninstall()
+
+
+def _tree_parents(n, g):
+    return [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+
+
+def _ancestors(parents):
+    n = len(parents)
+    m = torch.zeros(n, n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            m[i] = m[p]
+        m[i, i] = True
+    return m
+
+
+def hook_batch(sgl, prefix_lens, N, mask="tree", seed=0):
+    """One TARGET_VERIFY step as SGLang lays it out: prefix KV in scattered pool slots, fresh
+    slots for the N nodes of each request, ForwardMetadata like init_forward_metadata builds."""
+    g = torch.Generator().manual_seed(seed)
+    B, H = len(prefix_lens), sgl.H
+    sgl.alloc.clear()
+    slots = sgl.alloc.alloc(sum(prefix_lens) + B * N)
+    slots = slots[torch.randperm(slots.numel(), generator=g)]  # scattered, as after many steps
+    prefix_slots, node_slots = slots[: sum(prefix_lens)], slots[sum(prefix_lens):]
+    for buf in sgl.kv.kv_buffer:
+        buf.copy_(torch.randn(buf.shape, generator=g).to(buf.dtype))
+    T = B * N
+    visible = [_ancestors(_tree_parents(N, g)) if mask != "chain" else torch.ones(N, N, dtype=torch.bool).tril()
+               for _ in prefix_lens]
+    custom_mask = None
+    if mask != "chain":
+        blocks = [torch.cat([torch.ones(N, p, dtype=torch.bool), vis], 1).flatten() for p, vis in zip(prefix_lens, visible)]
+        custom_mask = torch.cat(blocks).to(torch.uint8 if mask == "uint8" else torch.bool)
+    seq = torch.tensor(prefix_lens)
+    fields = {f: None for f in sgl.tb.ForwardMetadata.__dataclass_fields__}
+    fields.update(
+        max_extend_len=N, qo_indptr=torch.arange(0, (B + 1) * N, N, dtype=torch.int32),
+        kv_indptr=torch.cat([torch.zeros(1), seq.cumsum(0)]).to(torch.int32), kv_indices=prefix_slots.to(torch.int64),
+        custom_mask=custom_mask,
+        mask_indptr=torch.cat([torch.zeros(1), (N * (seq + N)).cumsum(0)]).to(torch.int64))
+    md = sgl.tb.ForwardMetadata(**fields)
+    sgl.backend.forward_metadata = md
+    fb = _types.SimpleNamespace(forward_mode=sgl.ForwardMode.TARGET_VERIFY, out_cache_loc=node_slots,
+                                out_cache_loc_is_physical=False, seq_lens_cpu=seq, _attn_output=None)
+    q = torch.randn(T, H, 576, generator=g).to(torch.bfloat16)
+    k = torch.randn(T, 1, 576, generator=g).to(torch.bfloat16)
+    return _types.SimpleNamespace(fb=fb, md=md, q=q, k=k, v=k[..., :512], visible=visible, prefix_slots=prefix_slots,
+                                  node_slots=node_slots, prefix_lens=prefix_lens, N=N, T=T)
+
+
+def hook_reference(sgl, b, layer_id):
+    """Float64 softmax over (all prefix keys) + (ancestor nodes), by hand."""
+    pool = sgl.kv.kv_buffer[layer_id][:, 0].double()
+    outs, start = [], 0
+    for r, p in enumerate(b.prefix_lens):
+        rows = slice(r * b.N, (r + 1) * b.N)
+        keys = torch.cat([pool[b.prefix_slots[start:start + p]], b.k[rows, 0].double()])
+        start += p
+        s = torch.einsum("nhd,kd->nhk", b.q[rows].double(), keys) * 576**-0.5
+        s[:, :, p:] = s[:, :, p:].masked_fill(~b.visible[r][:, None, :], -math.inf)
+        outs.append(torch.softmax(s, -1) @ keys[:, :512])
+    return torch.cat(outs).reshape(b.T, -1)
+
+
+def call_hooked(sgl, b, layer, **kw):
+    return sgl.tb.TritonAttnBackend.forward_extend(sgl.backend, b.q.view(b.T, -1), b.k, b.v, layer, b.fb, **kw)
+
+
+def test_hook_install_uninstall(sgl, hook):
+    cls = sgl.tb.TritonAttnBackend
+    originals = {n: cls.__dict__[n] for n in ("forward_extend", "init_forward_metadata", "init_forward_metadata_out_graph")}
+    assert sglang_hook.install("on") and sglang_hook.installed() == "on"
+    wrapped = cls.__dict__["forward_extend"]
+    assert wrapped is not originals["forward_extend"] and wrapped.__wrapped__ is hook.spy
+    assert sglang_hook.install("validate") and cls.__dict__["forward_extend"] is wrapped  # twice: harmless
+    assert sglang_hook.installed() == "validate"
+    sglang_hook.uninstall()
+    sglang_hook.uninstall()
+    assert sglang_hook.installed() is None
+    assert all(cls.__dict__[n] is f for n, f in originals.items())
+
+
+def test_hook_off_patches_nothing(sgl, hook, monkeypatch):
+    cls = sgl.tb.TritonAttnBackend
+    for value in ("off", "", "bogus"):
+        monkeypatch.setenv("KDTREE_VERIFY", value)
+        sglang_hook.maybe_install_from_env()
+        assert sglang_hook.installed() is None and cls.__dict__["forward_extend"] is hook.spy
+    assert sglang_hook.install("off") is False and cls.__dict__["forward_extend"] is hook.spy
+    monkeypatch.setenv("KDTREE_VERIFY", "on")
+    sglang_hook.maybe_install_from_env()
+    assert sglang_hook.installed() == "on"
+
+
+def test_hook_routes_only_verify(sgl, hook):
+    sglang_hook.install("on")
+    b = hook_batch(sgl, [5, 9], 4)
+    layer = sgl.mk_layer(0)
+    for mode in (sgl.ForwardMode.EXTEND, sgl.ForwardMode.DECODE, sgl.ForwardMode.DRAFT_EXTEND_V2):
+        b.fb.forward_mode = mode
+        assert torch.all(call_hooked(sgl, b, layer) == 7)  # SGLang's method, untouched
+    assert hook.calls == [sgl.ForwardMode.EXTEND, sgl.ForwardMode.DECODE, sgl.ForwardMode.DRAFT_EXTEND_V2]
+    b.fb.forward_mode = sgl.ForwardMode.TARGET_VERIFY
+    out = call_hooked(sgl, b, layer)
+    assert len(hook.calls) == 3 and not torch.all(out == 7)
+
+
+@pytest.mark.parametrize("mask", ["tree", "uint8", "chain"])
+def test_hook_verify_matches_reference(sgl, hook, mask):
+    """Hooked TARGET_VERIFY forward_extend on the real backend and pool = a by-hand float64
+    softmax, with the nodes' KV saved into their slots as SGLang saves it."""
+    sglang_hook.install("on")
+    b = hook_batch(sgl, [0, 13, 37], 6, mask=mask, seed=3)
+    for lid in range(sgl.layers):
+        out = call_hooked(sgl, b, sgl.mk_layer(lid))
+        assert out.shape == (b.T, sgl.H * 512) and out.dtype == torch.bfloat16
+        assert rel_err(out, hook_reference(sgl, b, lid)) < 1e-2
+        assert torch.equal(sgl.kv.kv_buffer[lid][b.node_slots, 0], b.k[:, 0])
+    assert hook.calls == []
+
+
+def test_hook_converts_mask_once_per_step(sgl, hook, monkeypatch):
+    sglang_hook.install("on")
+    n = []
+    real = kdtree_ops.sglang_mask_to_packed
+    monkeypatch.setattr(kdtree_ops, "sglang_mask_to_packed", lambda *a, **kw: n.append(1) or real(*a, **kw))
+    b = hook_batch(sgl, [4, 8], 5)
+    for lid in range(sgl.layers):
+        call_hooked(sgl, b, sgl.mk_layer(lid))
+    assert len(n) == 1
+    b = hook_batch(sgl, [4, 8], 5, seed=1)  # next step: new metadata
+    call_hooked(sgl, b, sgl.mk_layer(0))
+    assert len(n) == 2
+
+
+FALLBACKS = {
+    "page size": lambda sgl, layer, kw: setattr(sgl.backend, "page_size", 16),
+    "scaled (fp8) KV": lambda sgl, layer, kw: setattr(layer, "k_scale", torch.tensor(1.0)),
+    "sliding-window": lambda sgl, layer, kw: setattr(layer, "sliding_window_size", 128),
+    "logit cap": lambda sgl, layer, kw: setattr(layer, "logit_cap", 30.0),
+    "sinks is set": lambda sgl, layer, kw: kw.update(sinks=torch.zeros(4)),
+    "score_mod is set": lambda sgl, layer, kw: kw.update(score_mod=lambda s: s),
+    "non-causal": lambda sgl, layer, kw: setattr(layer, "is_cross_attention", True),
+    "deterministic": lambda sgl, layer, kw: setattr(sgl.backend, "enable_deterministic", True),
+    "not MLA": lambda sgl, layer, kw: setattr(layer, "v_head_dim", 128),
+}
+
+
+@pytest.mark.parametrize("reason", list(FALLBACKS))
+def test_hook_fallbacks(sgl, hook, caplog, reason):
+    sglang_hook.install("on")
+    layer = sgl.mk_layer(0)
+    kw = {}
+    saved = {a: getattr(sgl.backend, a) for a in ("page_size", "enable_deterministic")}
+    FALLBACKS[reason](sgl, layer, kw)
+    try:
+        b = hook_batch(sgl, [3, 7], 4)
+        with caplog.at_level(_logging.WARNING, logger="kdtree_ops"):
+            for _ in range(2):
+                assert torch.all(call_hooked(sgl, b, layer, **kw) == 7)
+    finally:
+        for a, val in saved.items():
+            setattr(sgl.backend, a, val)
+    assert len(hook.calls) == 2
+    said = [r.getMessage() for r in caplog.records if r.name == "kdtree_ops"]
+    assert len(said) == 1 and (reason.split()[0] in said[0] or reason in said[0]), said
+
+
+def test_hook_fallback_on_kv_dtype(sgl, hook, caplog):
+    """KV stored in another dtype than q (e.g. an fp8 pool) is SGLang's."""
+    sglang_hook.install("on")
+    b = hook_batch(sgl, [3], 4)
+    with caplog.at_level(_logging.WARNING, logger="kdtree_ops"):
+        out = sgl.tb.TritonAttnBackend.forward_extend(sgl.backend, b.q.half().view(b.T, -1), b.k.half(), b.v.half(),
+                                                      sgl.mk_layer(0), b.fb)
+    assert torch.all(out == 7) and "KV pool stores" in caplog.text
+
+
+def test_hook_error_isolation(sgl, hook, caplog, monkeypatch):
+    """An exception inside our path: SGLang's path serves the call, one warning for it."""
+    sglang_hook.install("on")
+
+    def boom(*a, **kw):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(kdtree_ops, "verify_attn", boom)
+    b = hook_batch(sgl, [3, 7], 4)
+    with caplog.at_level(_logging.WARNING, logger="kdtree_ops"):
+        for _ in range(3):
+            assert torch.all(call_hooked(sgl, b, sgl.mk_layer(0)) == 7)
+    assert len(hook.calls) == 3
+    said = [r.getMessage() for r in caplog.records if r.name == "kdtree_ops"]
+    assert len(said) == 1 and "kernel exploded" in said[0]
+
+
+def test_hook_validate_returns_sglang_and_reports_error(sgl, hook, caplog, monkeypatch):
+    monkeypatch.setenv("KDTREE_LOG_EVERY", "1")
+    monkeypatch.setenv("KDTREE_PROFILE", "1")
+    sglang_hook.install("validate")
+    b = hook_batch(sgl, [11, 2], 5)
+    # SGLang's result: the true attention (what its Triton kernel computes), bf16-rounded
+    hook.spy.result = lambda q, layer: hook_reference(sgl, b, layer.layer_id).to(q.dtype)
+    with caplog.at_level(_logging.INFO, logger="kdtree_ops"):
+        for lid in range(2):
+            ref = hook_reference(sgl, b, lid).to(torch.bfloat16)
+            assert torch.equal(call_hooked(sgl, b, sgl.mk_layer(lid)), ref)
+        sglang_hook._log_summary()
+        assert "2 layers compared" in caplog.text and "past tolerance" not in caplog.text
+        assert "attn.kdtree" in caplog.text and "attn.sglang" in caplog.text and "mask" in caplog.text
+        hook.spy.result = lambda q, layer: (hook_reference(sgl, b, layer.layer_id) * 1.5).to(q.dtype)
+        call_hooked(sgl, b, sgl.mk_layer(1))
+        sglang_hook._log_summary()
+    assert "layer 1 on cpu" in caplog.text and "past tolerance" in caplog.text
+    assert len(hook.calls) == 3
+
+
+def test_hook_step_bookkeeping(sgl, hook, caplog, monkeypatch):
+    """init_forward_metadata(_out_graph) count verify steps (not captures) and log a summary
+    every KDTREE_LOG_EVERY steps."""
+    monkeypatch.setenv("KDTREE_LOG_EVERY", "2")
+    cls = sgl.tb.TritonAttnBackend
+    seen = []
+    monkeypatch.setattr(cls, "init_forward_metadata", lambda self, fb: seen.append("eager"))
+    monkeypatch.setattr(cls, "init_forward_metadata_out_graph", lambda self, fb, in_capture=False: seen.append(in_capture))
+    sglang_hook.install("on")
+    fb = _types.SimpleNamespace(forward_mode=sgl.ForwardMode.TARGET_VERIFY)
+    with caplog.at_level(_logging.INFO, logger="kdtree_ops"):
+        sgl.backend.init_forward_metadata(fb)
+        sgl.backend.init_forward_metadata_out_graph(fb, in_capture=True)  # capture: not a step
+        sgl.backend.init_forward_metadata_out_graph(fb)  # a replay
+    assert seen == ["eager", True, False]
+    assert sglang_hook._STATE.steps == 2 and "verify steps 1-2" in caplog.text
+    sglang_hook.uninstall()
+    assert cls.__dict__["init_forward_metadata"].__name__ == "<lambda>"
+
+
+def test_hook_patches_on_later_import(tmp_path, monkeypatch):
+    """Installed from sitecustomize before SGLang is imported: patched right after import."""
+    (tmp_path / "kdtree_late_mod.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    got = []
+    sglang_hook._when_imported("kdtree_late_mod", lambda m: got.append(m.X))
+    assert got == []
+    import kdtree_late_mod  # noqa: F401
+
+    assert got == [1]
+    monkeypatch.delitem(__import__("sys").modules, "kdtree_late_mod")
+
+
+def test_hook_ddtree_and_defrag_status(sgl, hook, caplog, monkeypatch):
+    assert "not present" in sglang_hook.ddtree_status()  # sglang 0.5.23 has no DDTree
+    monkeypatch.setenv("KDTREE_DEFRAG", "1")
+    sglang_hook.install("on")
+    b = hook_batch(sgl, [3], 4)
+    with caplog.at_level(_logging.WARNING, logger="kdtree_ops"):
+        sglang_hook._maybe_defrag(sgl.backend, b.fb)  # the test's server args keep the radix cache
+    assert "defrag off" in caplog.text and "radix" in caplog.text
+
+
+def _sglang_triton_kernel():
+    try:
+        from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
+    except ImportError:
+        return None
+    return extend_attention_fwd
+
+
+@needs_gpu
+@pytest.mark.parametrize("mask", ["tree", "chain"])
+@pytest.mark.parametrize("graph", [False, True])
+def test_hook_gpu_vs_sglang_triton(mask, graph):
+    """The hook's core (same mask conversion, same metadata layout) vs SGLang's own Triton
+    extend kernel on TARGET_VERIFY batches, several layers, eager and graph-captured; prints
+    the speedup. Needs SGLang's kernels importable (../shared/tools/sglang_kernels.sh)."""
+    extend_attention_fwd = _sglang_triton_kernel()
+    if extend_attention_fwd is None:
+        pytest.skip("SGLang's Triton kernels not importable")
+    dev, H, N, layers = "cuda", 16, 9 if mask == "chain" else 17, 4
+    prefix_lens = [4000, 700, 12000]
+    B, T = len(prefix_lens), len(prefix_lens) * N
+    g = torch.Generator().manual_seed(5)
+    S = sum(prefix_lens) + 1000
+    pools = [torch.randn(S, 1, 576, generator=g).to(dev, torch.bfloat16) for _ in range(layers)]
+    kv_indices = (torch.randperm(S - 1, generator=g)[: sum(prefix_lens)] + 1).to(dev)
+    seq = torch.tensor(prefix_lens)
+    kv_indptr = torch.cat([torch.zeros(1), seq.cumsum(0)]).to(dev, torch.int32)
+    qo_indptr = torch.arange(0, (B + 1) * N, N, dtype=torch.int32, device=dev)
+    mask_indptr = torch.cat([torch.zeros(1), (N * (seq + N)).cumsum(0)]).to(dev, torch.int64)
+    custom_mask = None
+    if mask == "tree":
+        blocks = [torch.cat([torch.ones(N, p, dtype=torch.bool), _ancestors(_tree_parents(N, g))], 1).flatten()
+                  for p in prefix_lens]
+        custom_mask = torch.cat(blocks).to(dev, torch.uint8)  # the CUDA-graph buffer's dtype
+    q = [torch.randn(T, H, 576, generator=g).to(dev, torch.bfloat16) for _ in range(layers)]
+    k = [torch.randn(T, 1, 576, generator=g).to(dev, torch.bfloat16) for _ in range(layers)]
+    scale = 576**-0.5
+    o_ref = [torch.full((T, H * 512), math.nan, device=dev, dtype=torch.bfloat16) for _ in range(layers)]
+    o_ours = [torch.full((T, H * 512), math.nan, device=dev, dtype=torch.bfloat16) for _ in range(layers)]
+
+    def sglang_step():
+        for i in range(layers):
+            extend_attention_fwd(q[i], k[i].contiguous(), k[i][..., :512].contiguous(), o_ref[i].view(T, H, 512),
+                                 pools[i], pools[i][..., :512], qo_indptr, kv_indptr, kv_indices, custom_mask, True,
+                                 mask_indptr, N, 1.0, 1.0, scale)
+
+    def our_step():
+        packed = sglang_hook.packed_tree_mask(custom_mask, mask_indptr, qo_indptr, kv_indptr, T, N)
+        for i in range(layers):
+            sglang_hook.verify_attention(q[i].view(T, -1), pools[i], kv_indptr, kv_indices, qo_indptr, k[i], packed,
+                                         scale, o_ours[i])
+
+    def timed(fn):
+        if graph:
+            fn()  # warm-up: Triton JIT, kernel caches
+            torch.cuda.synchronize()
+            gr = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(gr):
+                fn()
+            run = gr.replay
+        else:
+            run = fn
+        run()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            run()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 10
+
+    t_ref, t_ours = timed(sglang_step), timed(our_step)
+    for i in range(layers):
+        assert rel_err(o_ours[i], o_ref[i]) < 2e-2, f"layer {i}"
+    print(f"\nhook vs SGLang Triton ({mask}, {'graph' if graph else 'eager'}, {layers} layers, B={B}, H={H}, N={N}, "
+          f"prefixes {prefix_lens}): {t_ref:.3f} ms vs {t_ours:.3f} ms, speedup {t_ref / t_ours:.1f}x")
