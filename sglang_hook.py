@@ -1,0 +1,806 @@
+"""sglang_hook: run SGLang's MLA tree-verify attention on kdtree_ops, without patching SGLang.
+
+SGLang (0.5.23) sends every TARGET_VERIFY forward of an MLA model through
+``TritonAttnBackend.forward_extend``, whose Triton kernel re-streams the whole prefix once per
+head. :func:`install` wraps that method: verify calls it can serve (MLA 576/512 with one KV
+head, page size 1, KV stored in q's dtype, causal attention without sliding window, logit cap,
+sinks or score_mod; a tree custom mask or none) save KV exactly as SGLang does and then run
+:func:`kdtree_ops.verify_attn` into SGLang's own output buffer. Every other call, and any call
+our path cannot serve or that raises, goes to SGLang's method unchanged; each reason is logged
+once (logger ``"kdtree_ops"``).
+
+Environment
+-----------
+KDTREE_VERIFY         ``off`` (default: nothing patched), ``validate`` (SGLang's result is
+                      returned; ours is computed beside it and the error logged) or ``on``.
+KDTREE_LOG_EVERY      verify steps between summaries (validate / profile), default 100.
+KDTREE_VALIDATE_TOL   relative error (max |ours - sglang| / max |sglang| per layer) above
+                      which validate warns, default 0.02 (bf16 rounding of the output is ~0.4%).
+KDTREE_PROFILE=1      per-phase timings of verify steps (CUDA events, eager steps only).
+KDTREE_DEFRAG=1       compact fragmented requests' KV slots between verify steps (defrag.py).
+KDTREE_DEFRAG_BUDGET_MB, KDTREE_DEFRAG_EVERY
+                      bytes defrag may copy per call (default 256) and steps between calls
+                      (default 16).
+
+Every process that should be hooked has to import kdtree_ops (which installs the hook when
+KDTREE_VERIFY is set): SGLang starts one scheduler process per TP rank, so put
+``import kdtree_ops`` in a ``sitecustomize.py`` on the servers' PYTHONPATH. The patch is
+applied when SGLang's backend module is imported (an import hook), never by importing SGLang
+early from sitecustomize.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import inspect
+import logging
+import math
+import os
+import sys
+import threading
+import time
+import weakref
+from contextlib import contextmanager
+from typing import Callable, Optional
+
+import torch
+
+import kdtree_ops
+
+logger = logging.getLogger("kdtree_ops")
+
+TRITON_BACKEND = "sglang.srt.layers.attention.triton_backend"
+MODES = ("off", "validate", "on")
+
+# Timed phases beside attention: (module, class or None for a module function, attribute,
+# phase). Only the places SGLang 0.5.23 actually has; a missing one is skipped.
+PROFILE_POINTS = (
+    ("sglang.srt.speculative.dflash_info", "DFlashVerifyInput", "prepare_for_verify", "prepare_for_verify"),
+    ("sglang.srt.speculative.dflash_worker_v2", "DFlashWorkerV2", "_accept_block", "accept"),
+    ("sglang.srt.speculative.eagle_worker_common", None, "eagle_sample", "accept"),
+    ("sglang.srt.speculative.ngram_worker", None, "eagle_sample", "accept"),
+)
+
+# DDTree (sglang PR #29907, unmerged) lives in these modules when a build carries it.
+DDTREE_MODULES = ("sglang.srt.speculative.ddtree_worker", "sglang.srt.speculative.ddtree_utils")
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        logger.warning("kdtree_ops: %s=%r is not an integer; using %d", name, os.environ[name], default)
+        return default
+
+
+def _env_float(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        logger.warning("kdtree_ops: %s=%r is not a number; using %g", name, os.environ[name], default)
+        return default
+
+
+def env_mode() -> str:
+    """KDTREE_VERIFY as one of :data:`MODES` (unknown values read as off, with a warning)."""
+    m = os.environ.get("KDTREE_VERIFY", "off").strip().lower() or "off"
+    if m not in MODES:
+        logger.warning("kdtree_ops: KDTREE_VERIFY=%r is not one of %s; the hook stays off", m, "|".join(MODES))
+        return "off"
+    return m
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+# --------------------------------------------------------------------------------------------
+# The core: plain tensors in, SGLang's output buffer out (testable without SGLang)
+# --------------------------------------------------------------------------------------------
+
+
+def packed_tree_mask(custom_mask, mask_indptr, qo_indptr, kv_indptr, num_rows: int, max_nodes: int):
+    """SGLang's flat TARGET_VERIFY ``custom_mask`` as verify_attn's packed rows; None stays None
+    (DFlash's chain verify). Host ints only, so it is capturable."""
+    if custom_mask is None:
+        return None
+    return kdtree_ops.sglang_mask_to_packed(
+        custom_mask, mask_indptr, qo_indptr, kv_indptr, num_rows=num_rows, max_nodes=max_nodes
+    )
+
+
+def verify_attention(q, kv_buffer, kv_indptr, kv_indices, qo_indptr, k, packed_mask, scaling, out, max_kv_len=None):
+    """MLA tree-verify attention into SGLang's output buffer.
+
+    q: [T, H*576] or [T, H, 576]; k: the nodes' latents [T, 1, 576] (or [T, 576]); kv_buffer:
+    the layer's pool ``[S, 1, 576]``; the index tensors are TritonAttnBackend's forward_metadata
+    in TARGET_VERIFY (prefix-only kv_indptr); out: ``[T, H*512]``. Returns out.
+    """
+    T = q.shape[0]
+    H = out.numel() // (T * kdtree_ops.MLA_V_DIM) if T else 0
+    kdtree_ops.verify_attn(
+        q.reshape(T, H, kdtree_ops.MLA_QK_DIM),
+        kv_buffer,
+        kv_indptr,
+        kv_indices,
+        qo_indptr,
+        k.reshape(T, kdtree_ops.MLA_QK_DIM),
+        packed_mask,
+        scaling,
+        out=out.view(T, H, kdtree_ops.MLA_V_DIM),
+        max_kv_len=max_kv_len,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# State
+# --------------------------------------------------------------------------------------------
+
+
+class _Profiler:
+    """Phase timings: CUDA event pairs resolved when complete (never waited on), or host time
+    for CPU tensors. Nothing is timed while a CUDA graph is being captured."""
+
+    def __init__(self):
+        self.pending: list = []  # (phase, start event, end event)
+        self.total: dict = {}  # phase -> [milliseconds, count]
+        self.graph_steps = 0
+
+    @contextmanager
+    def phase(self, name: str, device: torch.device):
+        if _capturing():
+            yield
+            return
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self.pending.append((name, start, end))
+        else:
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                self._add(name, (time.perf_counter() - t0) * 1e3)
+
+    def _add(self, name: str, ms: float) -> None:
+        acc = self.total.setdefault(name, [0.0, 0])
+        acc[0] += ms
+        acc[1] += 1
+
+    def collect(self) -> None:
+        still = []
+        for name, start, end in self.pending:
+            if end.query():
+                self._add(name, start.elapsed_time(end))
+            else:
+                still.append((name, start, end))
+        self.pending = still
+
+    def summary(self, steps: int) -> str:
+        self.collect()
+        parts = [
+            f"{name} {ms / max(steps, 1):.3f} ms/step ({n} calls, {ms / n:.3f} ms/call)"
+            for name, (ms, n) in sorted(self.total.items())
+        ]
+        self.total = {}
+        if self.graph_steps:
+            parts.append(f"{self.graph_steps} steps replayed from CUDA graphs are not broken down")
+            self.graph_steps = 0
+        return "; ".join(parts) or "nothing timed"
+
+
+class _Validator:
+    """Per-layer max |ours - sglang| and max |sglang|, accumulated on the device (captured
+    graphs keep accumulating on replay) and read only when a summary is due."""
+
+    LAYERS = 512
+
+    def __init__(self, tol: float):
+        self.tol = tol
+        self.stats: dict = {}  # device -> Tensor [LAYERS, 2] float32: max abs err, max |ref|
+        self.seen: set = set()
+
+    def buffer(self, device: torch.device) -> Optional[torch.Tensor]:
+        buf = self.stats.get(device)
+        if buf is None and not _capturing():  # a fill captured into a graph would rerun on replay
+            buf = self.stats[device] = torch.zeros(self.LAYERS, 2, dtype=torch.float32, device=device)
+        return buf
+
+    def add(self, layer_id: int, ours: torch.Tensor, ref: torch.Tensor) -> bool:
+        buf = self.buffer(ref.device)
+        if buf is None or not 0 <= layer_id < self.LAYERS:
+            return False
+        err = (ours.float() - ref.float()).abs().amax()
+        err = torch.where(torch.isnan(err) | ~torch.isfinite(ours.float()).all(), torch.full_like(err, math.inf), err)
+        row = buf[layer_id]
+        row[0] = torch.maximum(row[0], err)
+        row[1] = torch.maximum(row[1], ref.float().abs().amax())
+        self.seen.add(layer_id)
+        return True
+
+    def summary(self, steps: int) -> tuple[str, list]:
+        """(summary line, per-layer warnings past the tolerance); resets the window."""
+        layers = sorted(self.seen)
+        if not layers:
+            return "no verify layer compared yet", []
+        worst_abs, worst_rel, bad = (0.0, -1), (0.0, -1), []
+        for device, buf in self.stats.items():
+            rows = buf[layers].tolist()  # the one host sync of validate mode, every N steps
+            buf.zero_()
+            for lid, (err, ref_max) in zip(layers, rows):
+                rel = err / ref_max if ref_max > 0 else (0.0 if err == 0 else math.inf)
+                worst_abs = max(worst_abs, (err, lid))
+                worst_rel = max(worst_rel, (rel, lid))
+                if not rel <= self.tol:
+                    bad.append(
+                        f"layer {lid} on {device}: max abs err {err:.3g}, max |sglang| {ref_max:.3g}, "
+                        f"rel {rel:.3g} > tol {self.tol:g}"
+                    )
+        line = (
+            f"{len(layers)} layers compared: max abs err {worst_abs[0]:.3g} (layer {worst_abs[1]}), "
+            f"max rel err {worst_rel[0]:.3g} (layer {worst_rel[1]}), tol {self.tol:g}"
+        )
+        return line, bad
+
+
+class _State:
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.log_every = max(1, _env_int("KDTREE_LOG_EVERY", 100))
+        self.profile = os.environ.get("KDTREE_PROFILE", "").strip() == "1"
+        self.defrag = os.environ.get("KDTREE_DEFRAG", "").strip() == "1"
+        self.defrag_budget = _env_int("KDTREE_DEFRAG_BUDGET_MB", 256) << 20
+        self.defrag_every = max(1, _env_int("KDTREE_DEFRAG_EVERY", 16))
+        self.validator = _Validator(_env_float("KDTREE_VALIDATE_TOL", 0.02))
+        self.profiler = _Profiler()
+        self.steps = 0  # verify steps seen (eager and graph replays)
+        self.window_start = 0
+        self.ours = 0  # verify layer calls served by kdtree_ops in this window
+        self.fallbacks = 0
+        self.warned: set = set()
+        self.patched: list = []  # (owner, attribute, original value)
+        self.masks = weakref.WeakKeyDictionary()  # backend -> (metadata, custom_mask, capturing, T, packed)
+        self.backends = weakref.WeakSet()  # every TritonAttnBackend that prepared a verify step
+        self.local = threading.local()
+        self.defrag_off: Optional[str] = None
+
+
+_STATE: Optional[_State] = None
+_FINDER: Optional["_PostImportFinder"] = None
+_LOCK = threading.RLock()
+
+
+def _warn_once(reason: str, detail: str = "") -> None:
+    st = _STATE
+    if st is None or reason in st.warned:
+        return
+    st.warned.add(reason)
+    logger.warning(
+        "kdtree_ops: %s%s; SGLang's own path serves these verify calls (logged once per reason)",
+        reason,
+        f" [{detail}]" if detail else "",
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Import hook: patch SGLang modules when they are imported, not by importing them early
+# --------------------------------------------------------------------------------------------
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    def __init__(self):
+        self.callbacks: dict = {}  # module name -> [fn(module)]
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in self.callbacks:
+            return None
+        for finder in sys.meta_path:
+            if finder is self:
+                continue
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find else None
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        callbacks = self.callbacks.pop(name)
+        exec_module = loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            for fn in callbacks:
+                _guarded(fn, module)
+
+        loader.exec_module = exec_and_patch
+        return spec
+
+
+def _guarded(fn: Callable, module) -> None:
+    try:
+        fn(module)
+    except Exception as e:  # a hook problem must never break SGLang's import
+        logger.warning("kdtree_ops: could not patch %s: %s: %s; SGLang runs unpatched there", module.__name__, type(e).__name__, e)
+
+
+def _when_imported(name: str, fn: Callable) -> None:
+    """fn(module) now if the module is loaded, else right after its first import."""
+    global _FINDER
+    if name in sys.modules:
+        _guarded(fn, sys.modules[name])
+        return
+    if _FINDER is None:
+        _FINDER = _PostImportFinder()
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
+    _FINDER.callbacks.setdefault(name, []).append(fn)
+
+
+def _patch(owner, attr: str, new) -> None:
+    _STATE.patched.append((owner, attr, owner.__dict__[attr]))
+    setattr(owner, attr, new)
+
+
+# --------------------------------------------------------------------------------------------
+# TritonAttnBackend patches
+# --------------------------------------------------------------------------------------------
+
+
+def _unsupported(backend, q, k, v, layer, fb, extra: dict) -> Optional[str]:
+    """Why our path cannot serve this TARGET_VERIFY call exactly as SGLang would (None: it can)."""
+    for name in ("sinks", "score_mod", "aux_tensors"):
+        if extra.get(name) is not None:
+            return f"{name} is set"
+    unknown = sorted(n for n, val in extra.items() if n not in ("save_kv_cache", "sinks", "score_mod", "aux_tensors") and val is not None)
+    if unknown:
+        return f"unknown forward_extend arguments {unknown}"
+    if k is None or v is None:
+        return "k/v not given (KV read back from the pool)"
+    if (layer.qk_head_dim, layer.v_head_dim, layer.tp_k_head_num) != (kdtree_ops.MLA_QK_DIM, kdtree_ops.MLA_V_DIM, 1):
+        return f"layer is not MLA 576/512 with one KV head (got {layer.qk_head_dim}/{layer.v_head_dim}, {layer.tp_k_head_num} KV heads)"
+    T, H = q.shape[0], layer.tp_q_head_num
+    if q.numel() != T * H * kdtree_ops.MLA_QK_DIM or k.numel() != T * kdtree_ops.MLA_QK_DIM:
+        return f"unexpected q/k shapes {tuple(q.shape)}/{tuple(k.shape)}"
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or k.dtype != q.dtype:
+        return f"q/k dtypes {q.dtype}/{k.dtype}"
+    if getattr(backend, "page_size", 1) != 1:
+        return f"page size {backend.page_size} (kdtree_ops needs 1)"
+    if layer.k_scale is not None or layer.v_scale is not None:
+        return "scaled (fp8) KV"
+    if layer.sliding_window_size is not None and layer.sliding_window_size > -1:
+        return "sliding-window layer"
+    if layer.logit_cap and layer.logit_cap > 0:
+        return "logit cap"
+    if (getattr(layer, "xai_temperature_len", -1) or -1) > 0:
+        return "xai temperature scaling"
+    if layer.is_cross_attention or getattr(layer.attn_type, "value", "decoder") != "decoder":
+        return f"non-causal attention ({layer.attn_type})"
+    if getattr(backend, "dcp_size", 1) > 1:
+        return "decode context parallelism (dcp_size > 1)"
+    if getattr(backend, "enable_deterministic", False):
+        return "deterministic inference (SGLang's batch-invariant kernel is kept)"
+    if getattr(backend, "dllm_attention", None) is not None:
+        return "diffusion-LM attention"
+    can_fp8 = getattr(backend, "_can_run_dense_fp8_chunked_mha", None)
+    if can_fp8 is not None and can_fp8(q, k, v, layer, fb):
+        return "dense fp8 chunked MHA"
+    kv = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
+    if kv.dtype != q.dtype or kv.shape[-1] != kdtree_ops.MLA_QK_DIM:
+        return f"KV pool stores {kv.dtype} rows of {kv.shape[-1]} (q is {q.dtype})"
+    md = backend.forward_metadata
+    if md is None or md.qo_indptr is None or md.kv_indptr is None or md.kv_indices is None:
+        return "verify metadata missing"
+    if md.qo_indptr.dtype != torch.int32 or md.kv_indptr.dtype != torch.int32:
+        return f"index dtypes qo_indptr {md.qo_indptr.dtype}, kv_indptr {md.kv_indptr.dtype}"
+    if md.custom_mask is not None:
+        if md.mask_indptr is None or md.custom_mask.dtype not in (torch.bool, torch.uint8):
+            return f"custom mask of dtype {md.custom_mask.dtype} without usable mask_indptr"
+        if not isinstance(md.max_extend_len, int) or md.max_extend_len < 1:
+            return f"max_extend_len {md.max_extend_len!r} is not a node count"
+    if q.device.type == "cuda" and not kdtree_ops.cuda_available():
+        return "kdtree_ops CUDA kernels are not built in this process (KDTREE_NO_BUILD?)"
+    return None
+
+
+def _step_mask(backend, md, T: int):
+    """The step's packed tree mask, converted once and reused by every layer.
+
+    Keyed on the metadata object and its mask tensor (a new step builds new ones) and on
+    whether a graph is being captured: SGLang's warm-up runs use the capture's metadata
+    eagerly, and a conversion made there would not be recorded into the graph.
+    """
+    if md.custom_mask is None:
+        return None
+    capturing = _capturing()
+    hit = _STATE.masks.get(backend)
+    if hit is not None and hit[0] is md and hit[1] is md.custom_mask and hit[2] == capturing and hit[3] == T:
+        return hit[4]
+    packed = packed_tree_mask(md.custom_mask, md.mask_indptr, md.qo_indptr, md.kv_indptr, T, md.max_extend_len)
+    _STATE.masks[backend] = (md, md.custom_mask, capturing, T, packed)
+    return packed
+
+
+def _prefix_bound(fb) -> Optional[int]:
+    """Longest prefix in the batch from host data (eager only; a captured graph must serve
+    every later batch, so it gets no bound)."""
+    if _capturing():
+        return None
+    lens = getattr(fb, "seq_lens_cpu", None)
+    if lens is None or lens.numel() == 0 or lens.device.type != "cpu":
+        return None
+    return int(lens.max())
+
+
+def _ours(tb, backend, q, k, v, layer, fb, save_kv_cache: bool, out: Optional[torch.Tensor] = None):
+    """Our TARGET_VERIFY forward_extend: SGLang's KV save, then verify_attn into o."""
+    md = backend.forward_metadata
+    T, H = q.shape[0], layer.tp_q_head_num
+    if save_kv_cache:
+        loc_info = tb.KVWriteLoc.for_batch(fb, swa_loc=md.swa_out_cache_loc)
+        backend._set_kv_buffer(fb, layer, loc_info, k, v)  # the exact call SGLang makes
+    if out is None:
+        out = getattr(fb, "_attn_output", None)
+        if out is None:
+            out = q.new_empty((T, H * layer.v_head_dim))
+    prof = _STATE.profiler if _STATE.profile else None
+    with prof.phase("mask", q.device) if prof else _null():
+        packed = _step_mask(backend, md, T)
+    with prof.phase("attn.kdtree", q.device) if prof else _null():
+        verify_attention(
+            q,
+            backend.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            md.kv_indptr,
+            md.kv_indices,
+            md.qo_indptr,
+            k,
+            packed,
+            layer.scaling,
+            out,
+            max_kv_len=_prefix_bound(fb),
+        )
+    return out
+
+
+@contextmanager
+def _null():
+    yield
+
+
+def _make_forward_extend(tb, original):
+    sig = inspect.signature(original)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs):
+        st = _STATE
+        if st is None or st.mode == "off" or not forward_batch.forward_mode.is_target_verify():
+            return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
+        prof = st.profiler if st.profile else None
+        try:
+            bound = sig.bind(self, q, k, v, layer, forward_batch, *args, **kwargs)
+            bound.apply_defaults()
+            extra = {n: val for n, val in bound.arguments.items() if n not in ("self", "q", "k", "v", "layer", "forward_batch")}
+            reason = _unsupported(self, q, k, v, layer, forward_batch, extra)
+        except Exception as e:
+            reason = f"could not inspect the call ({type(e).__name__}: {e})"
+        if reason is not None:
+            _warn_once(reason)
+            st.fallbacks += 1
+            with prof.phase("attn.sglang", q.device) if prof else _null():
+                return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
+
+        if st.mode == "validate":
+            with prof.phase("attn.sglang", q.device) if prof else _null():
+                ref = original(self, q, k, v, layer, forward_batch, *args, **kwargs)
+            try:
+                ours = _ours(tb, self, q, k, v, layer, forward_batch, save_kv_cache=False, out=torch.empty_like(ref))
+                if st.validator.add(layer.layer_id, ours, ref):
+                    st.ours += 1
+                else:
+                    _warn_once("validate: error statistics unavailable for graphs captured before any eager verify step")
+            except Exception as e:
+                _warn_once(f"exception in kdtree_ops' path: {type(e).__name__}", str(e))
+            return ref
+
+        try:
+            out = _ours(tb, self, q, k, v, layer, forward_batch, save_kv_cache=bool(extra.get("save_kv_cache", True)))
+            st.ours += 1
+            return out
+        except Exception as e:
+            # KV was saved (or not) identically either way: SGLang's path saves again, idempotently.
+            _warn_once(f"exception in kdtree_ops' path: {type(e).__name__}", str(e))
+            st.fallbacks += 1
+            return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
+
+    forward_extend.__wrapped__ = original
+    forward_extend.__doc__ = original.__doc__
+    return forward_extend
+
+
+def _make_metadata_hook(original, in_capture_arg: bool):
+    """Wrap init_forward_metadata(_out_graph): runs once per step, eagerly, also before a
+    graph replay, so it is where steps are counted, caches reset, summaries logged."""
+
+    def hooked(self, forward_batch, *args, **kwargs):
+        st = _STATE
+        local = st.local if st is not None else None
+        outer = local is not None and not getattr(local, "depth", 0)
+        if outer and forward_batch.forward_mode.is_target_verify():
+            in_capture = bool(args[0] if args else kwargs.get("in_capture", False)) if in_capture_arg else False
+            try:
+                _on_verify_step(self, forward_batch, in_capture, replay=in_capture_arg and not in_capture)
+            except Exception as e:
+                logger.warning("kdtree_ops: step bookkeeping failed (%s: %s); continuing", type(e).__name__, e)
+        if local is None:
+            return original(self, forward_batch, *args, **kwargs)
+        local.depth = getattr(local, "depth", 0) + 1
+        try:
+            return original(self, forward_batch, *args, **kwargs)
+        finally:
+            local.depth -= 1
+
+    hooked.__wrapped__ = original
+    return hooked
+
+
+def _on_verify_step(backend, fb, in_capture: bool, replay: bool) -> None:
+    st = _STATE
+    st.masks.pop(backend, None)
+    st.backends.add(backend)
+    if in_capture or _capturing():
+        return
+    st.steps += 1
+    if replay and st.profile:
+        st.profiler.graph_steps += 1
+    if st.defrag and st.steps % st.defrag_every == 0:
+        _maybe_defrag(backend, fb)
+    if st.steps - st.window_start >= st.log_every:
+        _log_summary()
+
+
+def _log_summary() -> None:
+    st = _STATE
+    n = st.steps - st.window_start
+    head = f"kdtree_ops[{st.mode}] verify steps {st.window_start + 1}-{st.steps}"
+    if st.mode == "on":
+        logger.info("%s: %d layer calls on kdtree_ops, %d on SGLang's path", head, st.ours, st.fallbacks)
+    if st.mode == "validate":
+        line, bad = st.validator.summary(n)
+        logger.info("%s: %s", head, line)
+        for b in bad:
+            logger.warning("kdtree_ops[validate] error past tolerance: %s", b)
+    if st.profile:
+        logger.info("%s: profile: %s", head, st.profiler.summary(n))
+    st.window_start, st.ours, st.fallbacks = st.steps, 0, 0
+
+
+def _patch_triton_backend(tb) -> None:
+    cls = tb.TritonAttnBackend
+    if "forward_extend" not in cls.__dict__:
+        raise AttributeError("TritonAttnBackend.forward_extend not found")
+    _patch(cls, "forward_extend", _make_forward_extend(tb, cls.__dict__["forward_extend"]))
+    for name, has_flag in (("init_forward_metadata", False), ("init_forward_metadata_out_graph", True)):
+        if name in cls.__dict__:
+            _patch(cls, name, _make_metadata_hook(cls.__dict__[name], has_flag))
+    logger.info("kdtree_ops: TritonAttnBackend.forward_extend hooked (KDTREE_VERIFY=%s); %s", _STATE.mode, ddtree_status())
+
+
+# --------------------------------------------------------------------------------------------
+# Profile points outside attention
+# --------------------------------------------------------------------------------------------
+
+
+def _timed(original, phase: str):
+    def timed(*args, **kwargs):
+        st = _STATE
+        if st is None or not st.profile:
+            return original(*args, **kwargs)
+        dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        with st.profiler.phase(phase, dev):
+            return original(*args, **kwargs)
+
+    timed.__wrapped__ = original
+    return timed
+
+
+def _patch_profile_point(cls_name: Optional[str], attr: str, phase: str):
+    def apply(module):
+        owner = getattr(module, cls_name) if cls_name else module
+        if attr not in owner.__dict__:
+            logger.info("kdtree_ops: profile point %s.%s not in this SGLang; not timed", module.__name__, attr)
+            return
+        _patch(owner, attr, _timed(owner.__dict__[attr], phase))
+
+    return apply
+
+
+# --------------------------------------------------------------------------------------------
+# DDTree (PR #29907) and defrag
+# --------------------------------------------------------------------------------------------
+
+
+def ddtree_status() -> str:
+    """Whether the running SGLang carries DDTree and what the hook does about it.
+
+    Patch point: DDTree builds each request's tree on the CPU with ``heapq`` and its flat
+    verify mask with a per-request Python loop; kdtree_ops.build_tree / verify_metadata are
+    the GPU replacements. Their outputs have to be mapped onto the DDTree version actually
+    running (its function names and tuple layouts differ between PR revisions), so this hook
+    only replaces them once that adapter exists; until then it reports what it found.
+    """
+    found = [m for m in DDTREE_MODULES if _module_exists(m)]
+    if not found:
+        return "DDTree is not present in this SGLang (PR #29907 not merged); its tree build and mask stay untouched"
+    ops = [op for op in ("build_tree", "verify_metadata") if not hasattr(kdtree_ops, op)]
+    if ops:
+        return f"DDTree found ({', '.join(found)}) but kdtree_ops lacks {', '.join(ops)}; its CPU tree build stays"
+    return f"DDTree found ({', '.join(found)}); no adapter for this DDTree revision yet, its CPU tree build stays"
+
+
+def _module_exists(name: str) -> bool:
+    """Whether SGLang ships module ``name``; only asked once SGLang is being imported anyway
+    (find_spec imports the parent packages)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _defrag_refusal(backend) -> Optional[str]:
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        args = get_server_args()
+    except Exception as e:
+        return f"server args unavailable ({type(e).__name__})"
+    if not getattr(args, "disable_radix_cache", False):
+        return "needs --disable-radix-cache (the prefix cache's slot references are not visible to the hook)"
+    if not getattr(args, "disable_overlap_schedule", False):
+        return "needs --disable-overlap-schedule (the overlapped scheduler allocates slots during the step)"
+    if getattr(backend, "page_size", 1) != 1:
+        return "needs page size 1"
+    return None
+
+
+def _maybe_defrag(backend, fb) -> None:
+    """Between verify steps (never in capture): give fragmented requests one contiguous run
+    of slots within the byte budget, moving the KV of every pool that shares the request
+    table (target and Triton draft pools). Any problem turns defrag off for the process."""
+    st = _STATE
+    if st.defrag_off:
+        return
+    try:
+        import defrag
+    except ImportError as e:
+        st.defrag_off = f"defrag.py unavailable ({e})"
+        logger.warning("kdtree_ops: KDTREE_DEFRAG=1 but %s; defrag off", st.defrag_off)
+        return
+    reason = _defrag_refusal(backend)
+    if reason:
+        st.defrag_off = reason
+        logger.warning("kdtree_ops: KDTREE_DEFRAG=1 but defrag %s; defrag off", reason)
+        return
+    try:
+        rtp = backend.req_to_token_pool
+        pools = []
+        for b in list(st.backends):
+            p = getattr(b, "token_to_kv_pool", None)
+            if getattr(b, "req_to_token_pool", None) is rtp and p is not None and all(p is not q for q in pools):
+                pools.append(p)
+        allocator = getattr(backend, "token_to_kv_pool_allocator", None)
+        if allocator is None:
+            raise RuntimeError("backend has no token_to_kv_pool_allocator")
+        pool = _SharedTablePool(rtp, allocator, pools)
+        rows = fb.req_pool_indices.to("cpu", torch.int64)
+        lens = fb.seq_lens_cpu if fb.seq_lens_cpu is not None else fb.seq_lens.cpu()
+        t0 = time.perf_counter()
+        plan = defrag.defragment(pool, rows, lens.to(torch.int64), byte_budget=st.defrag_budget)
+        if plan.compacted or plan.skipped:
+            logger.info(
+                "kdtree_ops: defrag at verify step %d: %d requests compacted (%d slots, %.1f MB over %d pools) in %.1f ms%s",
+                st.steps,
+                len(plan.compacted),
+                plan.moved_slots,
+                plan.bytes / 2**20,
+                len(pools),
+                (time.perf_counter() - t0) * 1e3,
+                f"; skipped: {plan.reason}" if plan.reason else "",
+            )
+    except Exception as e:
+        st.defrag_off = f"{type(e).__name__}: {e}"
+        logger.warning("kdtree_ops: defrag failed (%s); defrag off for this process", st.defrag_off)
+
+
+def _SharedTablePool(req_to_token_pool, allocator, kv_pools):
+    import defrag
+
+    class SharedTablePool(defrag.SGLangPool):
+        """defrag's SGLang pool, moving the rows of every KV pool indexed by the same table."""
+
+        @property
+        def kv_groups(self) -> list:
+            groups = []
+            for p in kv_pools:
+                for attr in ("kv_buffer", "k_buffer", "v_buffer", "kv_scale_buffer"):
+                    bufs = getattr(p, attr, None)
+                    if isinstance(bufs, (list, tuple)) and bufs:
+                        groups.append(list(bufs))
+            return groups
+
+    return SharedTablePool(req_to_token_pool, allocator, kv_pools[0] if kv_pools else None)
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+
+def install(mode: Optional[str] = None) -> bool:
+    """Hook SGLang's verify attention. ``mode``: ``validate`` or ``on`` (default: KDTREE_VERIFY).
+
+    Patches apply as soon as (or, via an import hook, right after) SGLang's modules are
+    imported. Installing again only updates the mode; ``off`` uninstalls. Returns whether the
+    hook is (or will be) active.
+    """
+    global _STATE
+    mode = env_mode() if mode is None else mode.strip().lower()
+    if mode not in MODES:
+        raise ValueError(f"kdtree_ops: mode must be one of {MODES}, got {mode!r}")
+    with _LOCK:
+        if mode == "off":
+            uninstall()
+            return False
+        if _STATE is not None:
+            _STATE.mode = mode
+            return True
+        _STATE = _State(mode)
+        _when_imported(TRITON_BACKEND, _patch_triton_backend)
+        if _STATE.profile:
+            for module, cls_name, attr, phase in PROFILE_POINTS:
+                _when_imported(module, _patch_profile_point(cls_name, attr, phase))
+        logger.info("kdtree_ops: verify hook installed (mode %s)", mode)
+        if _STATE.defrag:
+            try:
+                import defrag  # noqa: F401
+            except ImportError as e:
+                logger.warning("kdtree_ops: KDTREE_DEFRAG=1 but defrag.py is unavailable (%s); defrag off", e)
+                _STATE.defrag = False
+        return True
+
+
+def uninstall() -> None:
+    """Restore every patched SGLang attribute and drop pending import hooks."""
+    global _STATE
+    with _LOCK:
+        if _FINDER is not None:
+            _FINDER.callbacks.clear()
+            if _FINDER in sys.meta_path:
+                sys.meta_path.remove(_FINDER)
+        if _STATE is None:
+            return
+        for owner, attr, original in reversed(_STATE.patched):
+            setattr(owner, attr, original)
+        _STATE = None
+        logger.info("kdtree_ops: verify hook uninstalled")
+
+
+def installed() -> Optional[str]:
+    """The active mode, or None when the hook is not installed."""
+    return None if _STATE is None else _STATE.mode
+
+
+def maybe_install_from_env() -> None:
+    """Called at the end of ``import kdtree_ops``: install when KDTREE_VERIFY asks for it and
+    SGLang is importable; never raises."""
+    try:
+        if env_mode() == "off" or importlib.util.find_spec("sglang") is None:
+            return
+        install()
+    except Exception as e:
+        logger.warning("kdtree_ops: verify hook not installed (%s: %s); SGLang runs unchanged", type(e).__name__, e)
