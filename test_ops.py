@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -50,6 +54,33 @@ def graph_replay(fn, make_inputs, check):
         graph.replay()
         torch.cuda.synchronize()
         check(static, out)
+
+
+# ---- JIT build ----
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"), reason="needs nvcc")
+def test_two_processes_on_an_empty_cache_build_once(tmp_path):
+    """Concurrent importers (e.g. 8 TP ranks) serialise on the lock; only the first compiles."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "tiny.cu").write_text("__global__ void tiny_kernel(int* x) { *x = 1; }\n")
+    script = (
+        "import pathlib, sys, kdtree_ops\n"
+        "kdtree_ops.SRC_DIR = pathlib.Path(sys.argv[1])\n"
+        "print(kdtree_ops.build(arch=['9.0']))\n"
+    )
+    env = dict(os.environ, KDTREE_CACHE_DIR=str(tmp_path / "cache"), KDTREE_NO_BUILD="1")
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script, str(src)], env=env, cwd=os.path.dirname(__file__),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    results = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), results
+    paths = {out.strip() for out, _ in results}
+    assert len(paths) == 1 and os.path.exists(paths.pop())
+    assert sum("building CUDA kernels" in err for _, err in results) == 1, results
 
 
 # ---- merge_state ----
