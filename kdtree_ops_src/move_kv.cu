@@ -173,8 +173,9 @@ void move_kv(at::TensorList kv_layers, const at::Tensor& src_slots, const at::Te
   check_index(dst_slots, "dst_slots");
   check_dim(src_slots, "src_slots", 1);
   check_dim(dst_slots, "dst_slots", 1);
-  KD_CHECK(dst_slots.scalar_type() == src_slots.scalar_type(), "dst_slots must be ",
-           src_slots.scalar_type(), " like src_slots, got ", dst_slots.scalar_type());
+  KD_CHECK(dst_slots.scalar_type() == src_slots.scalar_type(), "dst_slots must be torch.",
+           dtype_name(src_slots.scalar_type()), " like src_slots, got torch.",
+           dtype_name(dst_slots.scalar_type()));
   KD_CHECK(dst_slots.numel() == src_slots.numel(), "dst_slots must have ", src_slots.numel(),
            " entries like src_slots, got ", dst_slots.numel());
   KD_CHECK(src_slots.is_cuda(), "src_slots must be a CUDA tensor, got device ", src_slots.device());
@@ -199,7 +200,7 @@ void move_kv(at::TensorList kv_layers, const at::Tensor& src_slots, const at::Te
     }
     const int64_t bytes = expected * kv.element_size();
     KD_CHECK(bytes == row_bytes, name, " must have rows of ", row_bytes,
-             " bytes like kv_layers[0], got ", bytes, " (shape ", kv.sizes(), ", ", kv.scalar_type(), ")");
+             " bytes like kv_layers[0], got ", bytes, " (shape ", kv.sizes(), ", ", dtype_name(kv.scalar_type()), ")");
     KD_CHECK(slots <= 1 || kv.stride(0) * kv.element_size() >= row_bytes, name,
              " must not have overlapping rows, got strides ", kv.strides());
   }
