@@ -646,6 +646,7 @@ def sglang_mask_to_packed(
 
 # ---- tree ops ----
 
+
 # ---- kv movement ----
 
 
@@ -752,6 +753,115 @@ def move_kv(
         contents (validated in check mode).
     """
     torch.ops.kdtree.move_kv(list(kv_layers), src_slots, dst_slots, disjoint=disjoint)
+
+# ---- main job: python -m kdtree_ops ----
+
+
+def _selfcheck_cases(device: str):
+    """Small random inputs for every op: name -> (call(inputs) -> outputs, inputs)."""
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    cases = {}
+    T, H = 113, 16
+    cases["merge_state"] = (lambda a: merge_state(*a), [rnd(T, H, 512), rnd(T, H, dtype=torch.float32), rnd(T, H, 512), rnd(T, H, dtype=torch.float32)])
+
+    B, N, P, S = 4, 9, 4099, 40000
+    slots = torch.randperm(S, generator=g)[: B * P].to(device)
+    parents = [[-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, N)] for _ in range(B)]
+    vis = torch.zeros(B * N, N, dtype=torch.bool)
+    for b, par in enumerate(parents):
+        for i, p in enumerate(par):
+            if p >= 0:
+                vis[b * N + i] = vis[b * N + p]
+            vis[b * N + i, i] = True
+    attn = [rnd(B * N, H, 576), rnd(S, 576), torch.arange(0, (B + 1) * P, P, dtype=torch.int32, device=device), slots.int(),
+            torch.arange(0, (B + 1) * N, N, dtype=torch.int32, device=device), rnd(B * N, 576)]
+    scale = 1 / math.sqrt(192)
+    cases["verify_attn (tree)"] = (lambda a: verify_attn(*a[:6], pack_tree_mask(a[6]), scale), [*attn, vis.to(device)])
+    cases["verify_attn (chain)"] = (lambda a: verify_attn(*a, None, scale), attn)
+    cases["pack_tree_mask"] = (lambda a: pack_tree_mask(a[0]), [vis.to(device)])
+
+    layers = [rnd(S, 576) for _ in range(3)]
+    src = torch.randperm(S, generator=g)[:1000].to(device)
+    dst = torch.cat([src[500:], torch.randperm(S, generator=g)[:500].to(device)])  # overlaps src
+    dst = torch.unique(dst)[:1000]
+
+    def moved(a):
+        kv = [t.clone() for t in a[0]]
+        move_kv(kv, a[1][: a[2].numel()], a[2])
+        return kv
+
+    cases["move_kv"] = (moved, [layers, src, dst])
+    return cases
+
+
+def _flatten(x):
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for item in x for t in _flatten(item)]
+    return []
+
+
+def _to_cpu(x):
+    if isinstance(x, torch.Tensor):
+        return x.cpu()
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to_cpu(t) for t in x) if not hasattr(x, "_fields") else type(x)(*[_to_cpu(t) for t in x])
+    return x
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Report the environment, build the kernels (on a GPU) and check every op against its
+    CPU reference on fresh random inputs, printing one row per op."""
+    import platform
+    import time
+
+    print(f"kdtree_ops  python {platform.python_version()}  torch {torch.__version__}  CUDA {torch.version.cuda}")
+    gpu = torch.cuda.is_available()
+    if gpu:
+        major, minor = torch.cuda.get_device_capability()
+        print(f"GPU: {torch.cuda.get_device_name()} (sm_{major}{minor}), {torch.cuda.get_device_properties(0).multi_processor_count} SMs")
+    else:
+        print("GPU: none - CUDA kernels are not built; checking the CPU references only")
+    print(f"cache: {cache_root()}  KDTREE_NO_BUILD={os.environ.get('KDTREE_NO_BUILD', '')!r}  KDTREE_CHECK={os.environ.get('KDTREE_CHECK', '')!r}")
+    if gpu and not cuda_available():
+        print("CUDA kernels: not loaded (KDTREE_NO_BUILD set)")
+    elif gpu:
+        print(f"CUDA kernels: {build()}")
+    device = "cuda" if cuda_available() else "cpu"
+    failures = 0
+    print(f"\n{'op':24s} {'device':7s} {'max rel err':>12s} {'ms':>9s}  result")
+    for name, (call, inputs) in _selfcheck_cases(device).items():
+        start = time.perf_counter()
+        out = call(inputs)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        ms = (time.perf_counter() - start) * 1e3
+        if device == "cuda":
+            ref = call(_to_cpu(inputs))
+        elif name.startswith("verify"):  # CPU: the bf16 reference against itself in float64
+            ref = call([x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs])
+        else:
+            print(f"{name:24s} {device:7s} {'-':>12s} {ms:9.3f}  reference ran (no CUDA kernel to compare)")
+            continue
+        errs = []
+        for a, b in zip(_flatten(out), _flatten(ref)):
+            if a.is_floating_point():
+                a, b = a.double().cpu(), b.double().cpu()
+                fin = torch.isfinite(b)
+                errs.append(((a[fin] - b[fin]).norm() / b[fin].norm().clamp_min(1e-30)).item() if fin.any() else 0.0)
+            else:
+                errs.append(0.0 if torch.equal(a.cpu(), b.cpu()) else math.inf)
+        err = max(errs) if errs else 0.0
+        ok = err < 1e-2
+        failures += not ok
+        print(f"{name:24s} {device:7s} {err:12.2e} {ms:9.3f}  {'ok' if ok else 'MISMATCH'}")
+    print(f"\n{'all ops match their references' if not failures else f'{failures} op(s) differ from their references'}")
+    return 1 if failures else 0
 
 _load_cuda()
 
