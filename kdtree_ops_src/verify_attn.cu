@@ -17,17 +17,24 @@ namespace kdtree {
 namespace {
 
 constexpr int kDqk = 576, kDv = 512;
-constexpr int kRows = 64, kKeys = 32, kWarps = 8, kThreads = kWarps * 32;
+constexpr int kKeys = 32;
 constexpr int kRowBytes = kDqk * 2, kChunks = kRowBytes / 16;  // 72 16-byte chunks per row
 constexpr int kStageBytes = kKeys * kRowBytes;
 constexpr int kHalfK = kDqk / 2 / 16;                           // 18 k-steps per dim half
 constexpr int kPStride = kKeys + 8;                             // padded P row (bf16)
 constexpr int kSmemKV = 2 * kStageBytes;
-constexpr int kSmemS = 4 * 2 * 8 * 32 * 4;
-constexpr int kSmemP = kRows * kPStride * 2;
-constexpr int kSmemBytes = kSmemKV + kSmemS + kSmemP + 2 * kRows * 4;
-static_assert(kSmemBytes <= 99 * 1024, "must fit sm_120's 99 KB per block");
-static_assert(kRows * kRowBytes <= kSmemKV, "Q is staged through the KV buffers");
+
+// Tile shape for kRows (node, head) rows per CTA: 2 warps per 16-row tile in S = Q K^T,
+// every warp covers all rows x (512 / warps) dims in O += P V.
+template <int kRows> struct Cfg {
+  static constexpr int kRowTiles = kRows / 16, kWarps = 2 * kRowTiles, kThreads = kWarps * 32;
+  static constexpr int kNT = kDv / 8 / kWarps;  // 8-dim output tiles per warp
+  static constexpr int kSmemS = kRowTiles * 2 * 8 * 32 * 4;
+  static constexpr int kSmemP = kRows * kPStride * 2;
+  static constexpr int kSmemBytes = kSmemKV + kSmemS + kSmemP + 2 * kRows * 4;
+  static_assert(kSmemBytes <= 99 * 1024, "must fit sm_120's 99 KB per block");
+  static_assert(kRows * kRowBytes <= kSmemKV, "Q is staged through the KV buffers");
+};
 
 template <typename T> struct Params {
   const T* q;
@@ -120,14 +127,17 @@ __device__ __forceinline__ uint32_t tile_off(int r, int c) {
   return r * kRowBytes + ((c ^ (r & 7)) << 4);
 }
 
-template <typename T, typename Idx>
-__global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const Params<T> p) {
+template <typename T, typename Idx, int kRows>
+__global__ void __launch_bounds__(Cfg<kRows>::kThreads, 64 / kRows) verify_attn_kernel(const Params<T> p) {
+  using C = Cfg<kRows>;
+  constexpr int kRowTiles = C::kRowTiles, kWarps = C::kWarps, kThreads = C::kThreads, kNT = C::kNT;
+  constexpr int kSmemS = C::kSmemS, kSmemP = C::kSmemP;
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* s_kv = smem;
-  float* s_part = reinterpret_cast<float*>(smem + kSmemKV);  // [4][2][8][32] S halves
+  float* s_part = reinterpret_cast<float*>(smem + kSmemKV);  // [row tiles][2][8][32] S halves
   T* s_p = reinterpret_cast<T*>(smem + kSmemKV + kSmemS);     // [64][kPStride]
   float* s_alpha = reinterpret_cast<float*>(smem + kSmemKV + kSmemS + kSmemP);  // [64]
-  float* s_l = s_alpha + kRows;                                                  // [64]
+  float* s_l = s_alpha + kRows;                                                  // [kRows]
   __shared__ int s_req, s_row0;
   // Prefix slots of the next tiles, copied in by cp.async one tile ahead of the KV rows they
   // address, so issuing a tile's loads never waits on an index load from memory.
@@ -200,7 +210,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const Params<T
     cp_async_idx(smem_addr(&s_slot[t % 3][lane]), valid ? kv_indices + pos : kv_indices, valid);
   };
 
-  const int rt = warp & 3, dh = warp >> 2;
+  const int rt = warp % kRowTiles, dh = warp / kRowTiles;
   uint32_t qf[kHalfK][4];
 #pragma unroll
   for (int ks = 0; ks < kHalfK; ++ks) {
@@ -230,11 +240,11 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const Params<T
     cp_async_commit();
   };
 
-  float o[4][8][4];
+  float o[kRowTiles][kNT][4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
+  for (int i = 0; i < kRowTiles; ++i)
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < kNT; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[i][j][e] = 0.f;
   // Softmax: warp (rt, dh) owns row rt*16 + g + 8*dh; running max (log2 domain) and sum.
@@ -340,10 +350,10 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const Params<T
 
     // ---- O = O * alpha + P V for all 64 rows, dims [64 warp, +64) ----
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < kRowTiles; ++i) {
       const float a0 = s_alpha[i * 16 + g], a1 = s_alpha[i * 16 + g + 8];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
+      for (int j = 0; j < kNT; ++j) {
         o[i][j][0] *= a0;
         o[i][j][1] *= a0;
         o[i][j][2] *= a1;
@@ -352,21 +362,21 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const Params<T
     }
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk) {
-      uint32_t pf[4][4];
+      uint32_t pf[kRowTiles][4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < kRowTiles; ++i) {
         const int r = i * 16 + (lane & 15), c = kk * 16 + (lane >> 4) * 8;
         ldmatrix_x4(pf[i], smem_addr(s_p + r * kPStride + c));
       }
 #pragma unroll
-      for (int j = 0; j < 8; j += 2) {
+      for (int j = 0; j < kNT; j += 2) {
         uint32_t vf[4];
         const int mi = lane >> 3;
         const int key = kk * 16 + (mi & 1) * 8 + (lane & 7);
-        const int ch = warp * 8 + j + (mi >> 1);
+        const int ch = warp * kNT + j + (mi >> 1);
         ldmatrix_x4_trans(vf, smem_addr(kt + tile_off(key, ch)));
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
+        for (int i = 0; i < kRowTiles; ++i) {
           mma16816<T>(o[i][j], pf[i], vf[0], vf[1]);
           mma16816<T>(o[i][j + 1], pf[i], vf[2], vf[3]);
         }
@@ -384,7 +394,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const Params<T
   __syncthreads();
   const bool direct = p.splits == 1;
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
+  for (int i = 0; i < kRowTiles; ++i)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = i * 16 + g + half * 8, m = row0 + r;
@@ -395,16 +405,16 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const Params<T
       const int node = m / p.heads, head = m - node * p.heads;
       const int64_t grow = static_cast<int64_t>(q_begin) * p.heads + m;
       if (direct) {
-        T* dst = p.out + (q_begin + node) * p.out_st + head * p.out_sh + warp * 64 + t4 * 2;
+        T* dst = p.out + (q_begin + node) * p.out_st + head * p.out_sh + warp * kNT * 8 + t4 * 2;
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
+        for (int j = 0; j < kNT; ++j)
           *reinterpret_cast<uint32_t*>(dst + j * 8) =
               pack2<T>(o[i][j][half * 2] * inv, o[i][j][half * 2 + 1] * inv);
         if (warp == 0 && t4 == 0) p.lse[(q_begin + node) * p.lse_st + head * p.lse_sh] = lse;
       } else {
-        float* dst = p.part_o + (split * p.rows_total + grow) * kDv + warp * 64 + t4 * 2;
+        float* dst = p.part_o + (split * p.rows_total + grow) * kDv + warp * kNT * 8 + t4 * 2;
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
+        for (int j = 0; j < kNT; ++j)
           *reinterpret_cast<float2*>(dst + j * 8) =
               make_float2(o[i][j][half * 2] * inv, o[i][j][half * 2 + 1] * inv);
         if (warp == 0 && t4 == 0) p.part_lse[split * p.rows_total + grow] = lse;
@@ -528,20 +538,27 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
 
   // Grid: one CTA per (request, 64-row tile) and prefix split. The tile count bound and the
   // split count depend only on shapes and host hints, so the launch is graph-capturable.
-  const int64_t tiles = ceil_div(T * H, kRows) + batch;
-  const int64_t work_tiles = ceil_div(T * H, kRows);  // the row tiles that carry work (about)
-  // Fewest waves per unit of prefix: time ~ ceil(tiles * s / sms) / s; among equals take the
+  // 32-row CTAs run two per SM (one's softmax and barriers overlap the other's MMAs) and waste
+  // fewer padded rows; KDTREE_VA_ROWS=64 selects one 64-row CTA per SM.
+  const char* rows_env = std::getenv("KDTREE_VA_ROWS");
+  const int rows = rows_env && std::string(rows_env) == "64" ? 64 : 32;
+  const int ctas_per_sm = 64 / rows;
+  const int64_t tiles = ceil_div(T * H, rows) + batch;
+  // Row tiles that carry work: exact when every request has T / B nodes (SGLang pads trees to
+  // one size), otherwise the unpadded count.
+  const int64_t work_tiles = T % batch == 0 ? batch * ceil_div(T / batch * H, rows) : ceil_div(T * H, rows);
+  // Fewest waves per unit of prefix: time ~ ceil(tiles * s / slots) / s; among equals take the
   // smallest s (less to merge). Short prefixes (hint) are not cut below 256 keys per split.
-  const int64_t sms = num_sms(q);
+  const int64_t slots = static_cast<int64_t>(num_sms(q)) * ctas_per_sm;
   // Splitting only pays while the row tiles alone leave SMs idle: each split re-reads Q and
   // writes a 2 KB partial per row.
-  int64_t max_split = std::min<int64_t>(kMaxSplits, (2 * sms + work_tiles - 1) / work_tiles);
+  int64_t max_split = std::min<int64_t>(kMaxSplits, (2 * slots + work_tiles - 1) / work_tiles);
   if (max_kv_len >= 0) max_split = std::clamp<int64_t>(max_kv_len / 256, 1, max_split);
-  if (work_tiles >= sms) max_split = 1;
+  if (work_tiles >= slots) max_split = 1;
   int64_t splits = 1;
   double best = 1e30;
   for (int64_t s = 1; s <= max_split; ++s) {
-    const double cost = static_cast<double>((work_tiles * s + sms - 1) / sms) / s;
+    const double cost = static_cast<double>((work_tiles * s + slots - 1) / slots) / s;
     if (cost < best * 0.999) {
       best = cost;
       splits = s;
@@ -585,11 +602,20 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
     p.part_lse = splits > 1 ? part_lse.data_ptr<float>() : nullptr;
     p.rows_total = T * H;
 
-    auto kernel = kv_indices.scalar_type() == at::kInt ? verify_attn_kernel<T_, int32_t>
-                                                       : verify_attn_kernel<T_, int64_t>;
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    const bool i32 = kv_indices.scalar_type() == at::kInt;
     const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(splits));
-    kernel<<<grid, kThreads, kSmemBytes, current_stream()>>>(p);
+    auto launch = [&](auto kernel, auto cfg) {
+      using C = decltype(cfg);
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                          cudaSharedmemCarveoutMaxShared));
+      kernel<<<grid, C::kThreads, C::kSmemBytes, current_stream()>>>(p);
+    };
+    if (rows == 64) {
+      i32 ? launch(verify_attn_kernel<T_, int32_t, 64>, Cfg<64>{}) : launch(verify_attn_kernel<T_, int64_t, 64>, Cfg<64>{});
+    } else {
+      i32 ? launch(verify_attn_kernel<T_, int32_t, 32>, Cfg<32>{}) : launch(verify_attn_kernel<T_, int64_t, 32>, Cfg<32>{});
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (splits > 1) {
       merge_splits_kernel<T_><<<static_cast<unsigned>(T * H), 128, 0, current_stream()>>>(p);
