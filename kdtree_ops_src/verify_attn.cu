@@ -17,24 +17,25 @@ namespace kdtree {
 namespace {
 
 constexpr int kDqk = 576, kDv = 512;
-constexpr int kKeys = 32;
+constexpr int kRows = 64, kKeys = 32, kRowTiles = kRows / 16, kWarps = 8, kThreads = kWarps * 32;
+constexpr int kNT = kDv / 8 / kWarps;                           // 8-dim output tiles per warp
 constexpr int kRowBytes = kDqk * 2, kChunks = kRowBytes / 16;  // 72 16-byte chunks per row
-constexpr int kStageBytes = kKeys * kRowBytes;
-constexpr int kHalfK = kDqk / 2 / 16;                           // 18 k-steps per dim half
-constexpr int kPStride = kKeys + 8;                             // padded P row (bf16)
+// Rows sit 1,168 B apart in shared memory: the extra 16 B move consecutive rows to different
+// bank groups, so the 8 rows one ldmatrix reads never conflict, and every fragment address
+// is a per-lane base plus a compile-time offset.
+constexpr int kRowPitch = kRowBytes + 16;
+constexpr int kStageBytes = kKeys * kRowPitch;
+constexpr int kHalfK = kDqk / 2 / 16;  // 18 k-steps per dim half
+constexpr int kPStride = kKeys + 8;    // padded P row (bf16)
 constexpr int kSmemKV = 2 * kStageBytes;
-
-// Tile shape for kRows (node, head) rows per CTA: 2 warps per 16-row tile in S = Q K^T,
-// every warp covers all rows x (512 / warps) dims in O += P V.
-template <int kRows> struct Cfg {
-  static constexpr int kRowTiles = kRows / 16, kWarps = 2 * kRowTiles, kThreads = kWarps * 32;
-  static constexpr int kNT = kDv / 8 / kWarps;  // 8-dim output tiles per warp
-  static constexpr int kSmemS = kRowTiles * 2 * 8 * 32 * 4;
-  static constexpr int kSmemP = kRows * kPStride * 2;
-  static constexpr int kSmemBytes = kSmemKV + kSmemS + kSmemP + 2 * kRows * 4;
-  static_assert(kSmemBytes <= 99 * 1024, "must fit sm_120's 99 KB per block");
-  static_assert(kRows * kRowBytes <= kSmemKV, "Q is staged through the KV buffers");
-};
+constexpr int kSmemS = kRowTiles * 2 * 8 * 32 * 4;
+constexpr int kSmemP = kRows * kPStride * 2;
+constexpr int kSmemBytes = kSmemKV + kSmemS + kSmemP + 2 * kRows * 4;
+static_assert(kSmemBytes <= 99 * 1024, "must fit sm_120's 99 KB per block");
+static_assert(kRows * kRowPitch <= kSmemKV, "Q is staged through the KV buffers");
+// A row's running max only moves when a tile beats it by this much (log2 units): P stays
+// <= 2^8, and most tiles skip rescaling O.
+constexpr float kRescaleSlack = 8.f;
 
 template <typename T> struct Params {
   const T* q;
@@ -121,23 +122,14 @@ template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float 
   return r;
 }
 
-// Byte offset of 16-byte chunk `c` of row `r` in a [rows][1152 B] tile. XOR-swizzling the
-// chunk by the row's low 3 bits puts the 8 rows an ldmatrix reads on 8 different bank groups.
-__device__ __forceinline__ uint32_t tile_off(int r, int c) {
-  return r * kRowBytes + ((c ^ (r & 7)) << 4);
-}
-
-template <typename T, typename Idx, int kRows>
-__global__ void __launch_bounds__(Cfg<kRows>::kThreads, 64 / kRows) verify_attn_kernel(const Params<T> p) {
-  using C = Cfg<kRows>;
-  constexpr int kRowTiles = C::kRowTiles, kWarps = C::kWarps, kThreads = C::kThreads, kNT = C::kNT;
-  constexpr int kSmemS = C::kSmemS, kSmemP = C::kSmemP;
+template <typename T, typename Idx>
+__global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const Params<T> p) {
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* s_kv = smem;
   float* s_part = reinterpret_cast<float*>(smem + kSmemKV);  // [row tiles][2][8][32] S halves
   T* s_p = reinterpret_cast<T*>(smem + kSmemKV + kSmemS);     // [64][kPStride]
   float* s_alpha = reinterpret_cast<float*>(smem + kSmemKV + kSmemS + kSmemP);  // [64]
-  float* s_l = s_alpha + kRows;                                                  // [kRows]
+  float* s_l = s_alpha + kRows;                                                  // [64]
   __shared__ int s_req, s_row0;
   // Prefix slots of the next tiles, copied in by cp.async one tile ahead of the KV rows they
   // address, so issuing a tile's loads never waits on an index load from memory.
@@ -192,53 +184,68 @@ __global__ void __launch_bounds__(Cfg<kRows>::kThreads, 64 / kRows) verify_attn_
   const int n_tiles = pre_tiles + (has_tree ? (nodes + kKeys - 1) / kKeys : 0);
   const Idx* kv_indices = static_cast<const Idx*>(p.kv_indices) + kv_begin;
 
-  // ---- stage Q (64 rows x 576) through the KV buffers, then keep it in registers ----
-  for (int c = tid; c < kRows * kChunks; c += kThreads) {
-    const int r = c / kChunks, ch = c - r * kChunks, m = row0 + r;
-    const bool valid = m < rows_b;
-    const int node = valid ? m / p.heads : 0, head = valid ? m - node * p.heads : 0;
-    const T* src = p.q + (q_begin + node) * p.q_st + head * p.q_sh + ch * 8;
-    cp_async16(smem_addr(s_kv + tile_off(r, ch)), valid ? src : p.q, valid);
-  }
-  cp_async_commit();
-  cp_async_wait<0>();
-  __syncthreads();
+  // Warp w copies rows [w * n, w * n + n) of a tile: 72 16-byte chunks per row over 32 lanes,
+  // so each row is one coalesced 1,152-byte read. src null: zero-fill (never NaN garbage).
+  auto copy_rows = [&](uint8_t* dst, int rows_per_warp, auto src_of) {
+    for (int i = 0; i < rows_per_warp; ++i) {
+      const int r = warp * rows_per_warp + i;
+      const T* src = src_of(r);
+      const uint32_t d = smem_addr(dst + r * kRowPitch);
+#pragma unroll
+      for (int c = lane; c < kChunks; c += 32) cp_async16(d + c * 16, src ? src + c * 8 : p.kv, src != nullptr);
+    }
+  };
 
+  // ---- stage Q (64 rows x 576) through the KV buffers, then keep it in registers ----
+  copy_rows(s_kv, kRows / kWarps, [&](int r) -> const T* {
+    const int m = row0 + r;
+    if (m >= rows_b) return nullptr;
+    const int node = m / p.heads, head = m - node * p.heads;
+    return p.q + (q_begin + node) * p.q_st + head * p.q_sh;
+  });
   auto load_slots = [&](int t) {  // warp 0; zero-filled past the chunk
     const int pos = pre_begin + t * kKeys + lane;
     const bool valid = t < pre_tiles && pos < pre_end;
     cp_async_idx(smem_addr(&s_slot[t % 3][lane]), valid ? kv_indices + pos : kv_indices, valid);
   };
+  if (warp == 0) {
+    load_slots(0);
+    load_slots(1);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
 
   const int rt = warp % kRowTiles, dh = warp / kRowTiles;
   uint32_t qf[kHalfK][4];
+  {
+    const uint32_t q_lane = smem_addr(s_kv + (rt * 16 + (lane & 15)) * kRowPitch + (dh * kHalfK * 2 + (lane >> 4)) * 16);
 #pragma unroll
-  for (int ks = 0; ks < kHalfK; ++ks) {
-    const int r = rt * 16 + (lane & 15), ch = (dh * kHalfK + ks) * 2 + (lane >> 4);
-    ldmatrix_x4(qf[ks], smem_addr(s_kv + tile_off(r, ch)));
+    for (int ks = 0; ks < kHalfK; ++ks) ldmatrix_x4(qf[ks], q_lane + ks * 32);
   }
   __syncthreads();  // Q fully in registers before the KV stages overwrite it
 
   auto load_tile = [&](int t, int stage) {
-    uint8_t* dst = s_kv + stage * kStageBytes;
     const Idx* slots = s_slot[t % 3];
-    for (int c = tid; c < kKeys * kChunks; c += kThreads) {
-      const int k = c / kChunks, ch = c - k * kChunks;
-      const T* src;
-      bool valid;
-      if (t < pre_tiles) {
-        valid = pre_begin + t * kKeys + k < pre_end;
-        src = valid ? p.kv + static_cast<int64_t>(slots[k]) * p.kv_stride + ch * 8 : p.kv;
-      } else {
-        const int pos = (t - pre_tiles) * kKeys + k;
-        valid = pos < nodes;
-        src = valid ? p.tree_k + static_cast<int64_t>(q_begin + pos) * p.tk_stride + ch * 8
-                    : p.tree_k;
-      }
-      cp_async16(smem_addr(dst + tile_off(k, ch)), src, valid);
+    if (t < pre_tiles) {
+      const int first = pre_begin + t * kKeys;
+      copy_rows(s_kv + stage * kStageBytes, kKeys / kWarps, [&](int k) -> const T* {
+        return first + k < pre_end ? p.kv + static_cast<int64_t>(slots[k]) * p.kv_stride : nullptr;
+      });
+    } else {
+      const int first = (t - pre_tiles) * kKeys;
+      copy_rows(s_kv + stage * kStageBytes, kKeys / kWarps, [&](int k) -> const T* {
+        return first + k < nodes ? p.tree_k + static_cast<int64_t>(q_begin + first + k) * p.tk_stride : nullptr;
+      });
     }
     cp_async_commit();
   };
+
+  // Per-lane fragment bases (stage 0); ldmatrix addresses add compile-time offsets to these.
+  const int mi = lane >> 3;
+  const uint32_t k_lane = smem_addr(s_kv + ((mi >> 1) * 8 + (lane & 7)) * kRowPitch + ((mi & 1) + dh * kHalfK * 2) * 16);
+  const uint32_t v_lane = smem_addr(s_kv + ((mi & 1) * 8 + (lane & 7)) * kRowPitch + ((mi >> 1) + warp * kNT) * 16);
+  const uint32_t p_lane = smem_addr(s_p + (lane & 15) * kPStride + (lane >> 4) * 8);
 
   float o[kRowTiles][kNT][4];
 #pragma unroll
@@ -251,13 +258,6 @@ __global__ void __launch_bounds__(Cfg<kRows>::kThreads, 64 / kRows) verify_attn_
   float row_max = -INFINITY, row_sum = 0.f;
 
   // Pipeline: tile t+1's rows (and tile t+2's slots) load while tile t computes.
-  if (warp == 0) {
-    load_slots(0);
-    load_slots(1);
-    cp_async_commit();
-    cp_async_wait<0>();
-  }
-  __syncthreads();
   if (n_tiles > 0) load_tile(0, 0);
   for (int t = 0; t < n_tiles; ++t) {
     const int stage = t & 1;
@@ -267,7 +267,7 @@ __global__ void __launch_bounds__(Cfg<kRows>::kThreads, 64 / kRows) verify_attn_
       if (warp == 0) load_slots(t + 2);
       load_tile(t + 1, stage ^ 1);
     }
-    const uint8_t* kt = s_kv + stage * kStageBytes;
+    const uint32_t stage_off = stage * kStageBytes;
 
     // ---- S half = Q[rows of rt, dims of dh] K^T ----
     float s[4][4];
@@ -277,13 +277,10 @@ __global__ void __launch_bounds__(Cfg<kRows>::kThreads, 64 / kRows) verify_attn_
       for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < kHalfK; ++ks) {
-      const int ch0 = (dh * kHalfK + ks) * 2;
 #pragma unroll
       for (int j = 0; j < 4; j += 2) {
         uint32_t bf[4];
-        const int mi = lane >> 3;
-        const int key = (j + (mi >> 1)) * 8 + (lane & 7);
-        ldmatrix_x4(bf, smem_addr(kt + tile_off(key, ch0 + (mi & 1))));
+        ldmatrix_x4(bf, k_lane + stage_off + j * 8 * kRowPitch + ks * 32);
         mma16816<T>(s[j], qf[ks], bf[0], bf[1]);
         mma16816<T>(s[j + 1], qf[ks], bf[2], bf[3]);
       }
@@ -297,6 +294,7 @@ __global__ void __launch_bounds__(Cfg<kRows>::kThreads, 64 / kRows) verify_attn_
     __syncthreads();
 
     // ---- online softmax: 8 warps x (8 rows x 32 keys) ----
+    bool rescaled;
     {
       const bool tree_tile = t >= pre_tiles;
       const int key0 = tree_tile ? (t - pre_tiles) * kKeys : pre_begin + t * kKeys;
@@ -328,11 +326,12 @@ __global__ void __launch_bounds__(Cfg<kRows>::kThreads, 64 / kRows) verify_attn_
         }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float new_max = fmaxf(row_max, mx);
-      // A row with nothing visible yet keeps max -inf; subtract 0 then so exp gives 0, not NaN.
-      const float base = new_max == -INFINITY ? 0.f : new_max;
-      const float alpha = exp2f(row_max - base);
-      row_max = new_max;
+      // -inf - -inf is NaN: a first visible max always counts as a move.
+      rescaled = mx > row_max + kRescaleSlack || (row_max == -INFINITY && mx > -INFINITY);
+      const float alpha = rescaled ? exp2f(row_max - mx) : 1.f;
+      if (rescaled) row_max = mx;
+      // A row with nothing visible yet keeps max -inf; subtract 0 then so exp gives 0.
+      const float base = row_max == -INFINITY ? 0.f : row_max;
       float sum = 0.f;
       T* prow = s_p + r * kPStride;
 #pragma unroll
@@ -346,35 +345,29 @@ __global__ void __launch_bounds__(Cfg<kRows>::kThreads, 64 / kRows) verify_attn_
       row_sum = row_sum * alpha + sum;
       if (t4 == 0) s_alpha[r] = alpha;
     }
-    __syncthreads();
-
-    // ---- O = O * alpha + P V for all 64 rows, dims [64 warp, +64) ----
+    // ---- O = O * alpha (only when some row's max moved) + P V, dims [64 warp, +64) ----
+    if (__syncthreads_or(rescaled)) {
 #pragma unroll
-    for (int i = 0; i < kRowTiles; ++i) {
-      const float a0 = s_alpha[i * 16 + g], a1 = s_alpha[i * 16 + g + 8];
+      for (int i = 0; i < kRowTiles; ++i) {
+        const float a0 = s_alpha[i * 16 + g], a1 = s_alpha[i * 16 + g + 8];
 #pragma unroll
-      for (int j = 0; j < kNT; ++j) {
-        o[i][j][0] *= a0;
-        o[i][j][1] *= a0;
-        o[i][j][2] *= a1;
-        o[i][j][3] *= a1;
+        for (int j = 0; j < kNT; ++j) {
+          o[i][j][0] *= a0;
+          o[i][j][1] *= a0;
+          o[i][j][2] *= a1;
+          o[i][j][3] *= a1;
+        }
       }
     }
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk) {
       uint32_t pf[kRowTiles][4];
 #pragma unroll
-      for (int i = 0; i < kRowTiles; ++i) {
-        const int r = i * 16 + (lane & 15), c = kk * 16 + (lane >> 4) * 8;
-        ldmatrix_x4(pf[i], smem_addr(s_p + r * kPStride + c));
-      }
+      for (int i = 0; i < kRowTiles; ++i) ldmatrix_x4(pf[i], p_lane + (i * 16 * kPStride + kk * 16) * 2);
 #pragma unroll
       for (int j = 0; j < kNT; j += 2) {
         uint32_t vf[4];
-        const int mi = lane >> 3;
-        const int key = kk * 16 + (mi & 1) * 8 + (lane & 7);
-        const int ch = warp * kNT + j + (mi >> 1);
-        ldmatrix_x4_trans(vf, smem_addr(kt + tile_off(key, ch)));
+        ldmatrix_x4_trans(vf, v_lane + stage_off + kk * 16 * kRowPitch + j * 16);
 #pragma unroll
         for (int i = 0; i < kRowTiles; ++i) {
           mma16816<T>(o[i][j], pf[i], vf[0], vf[1]);
@@ -538,18 +531,13 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
 
   // Grid: one CTA per (request, 64-row tile) and prefix split. The tile count bound and the
   // split count depend only on shapes and host hints, so the launch is graph-capturable.
-  // 32-row CTAs run two per SM (one's softmax and barriers overlap the other's MMAs) and waste
-  // fewer padded rows; KDTREE_VA_ROWS=64 selects one 64-row CTA per SM.
-  const char* rows_env = std::getenv("KDTREE_VA_ROWS");
-  const int rows = rows_env && std::string(rows_env) == "64" ? 64 : 32;
-  const int ctas_per_sm = 64 / rows;
-  const int64_t tiles = ceil_div(T * H, rows) + batch;
+  const int64_t tiles = ceil_div(T * H, kRows) + batch;
   // Row tiles that carry work: exact when every request has T / B nodes (SGLang pads trees to
   // one size), otherwise the unpadded count.
-  const int64_t work_tiles = T % batch == 0 ? batch * ceil_div(T / batch * H, rows) : ceil_div(T * H, rows);
+  const int64_t work_tiles = T % batch == 0 ? batch * ceil_div(T / batch * H, kRows) : ceil_div(T * H, kRows);
   // Fewest waves per unit of prefix: time ~ ceil(tiles * s / slots) / s; among equals take the
   // smallest s (less to merge). Short prefixes (hint) are not cut below 256 keys per split.
-  const int64_t slots = static_cast<int64_t>(num_sms(q)) * ctas_per_sm;
+  const int64_t slots = num_sms(q);  // one CTA per SM (registers)
   // Splitting only pays while the row tiles alone leave SMs idle: each split re-reads Q and
   // writes a 2 KB partial per row.
   int64_t max_split = std::min<int64_t>(kMaxSplits, (2 * slots + work_tiles - 1) / work_tiles);
@@ -602,20 +590,11 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
     p.part_lse = splits > 1 ? part_lse.data_ptr<float>() : nullptr;
     p.rows_total = T * H;
 
-    const bool i32 = kv_indices.scalar_type() == at::kInt;
+    auto kernel = kv_indices.scalar_type() == at::kInt ? verify_attn_kernel<T_, int32_t>
+                                                       : verify_attn_kernel<T_, int64_t>;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
     const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(splits));
-    auto launch = [&](auto kernel, auto cfg) {
-      using C = decltype(cfg);
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                          cudaSharedmemCarveoutMaxShared));
-      kernel<<<grid, C::kThreads, C::kSmemBytes, current_stream()>>>(p);
-    };
-    if (rows == 64) {
-      i32 ? launch(verify_attn_kernel<T_, int32_t, 64>, Cfg<64>{}) : launch(verify_attn_kernel<T_, int64_t, 64>, Cfg<64>{});
-    } else {
-      i32 ? launch(verify_attn_kernel<T_, int32_t, 32>, Cfg<32>{}) : launch(verify_attn_kernel<T_, int64_t, 32>, Cfg<32>{});
-    }
+    kernel<<<grid, kThreads, kSmemBytes, current_stream()>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (splits > 1) {
       merge_splits_kernel<T_><<<static_cast<unsigned>(T * H), 128, 0, current_stream()>>>(p);
