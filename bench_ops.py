@@ -228,6 +228,88 @@ def test_bench_verify_attn(benchmark, B, H, N, ctx):
 
 # ---- tree ops ----
 
+import time  # noqa: E402
+
+TREE_B, TREE_L, TREE_V = 8, 15, 32000
+
+
+def tree_bench_inputs(budget: int, seed: int = 0):
+    """Draft top-K (K = budget) from peaked random logits, as a DFlash drafter would give."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    logits = torch.randn(TREE_B, TREE_L, TREE_V, device="cuda", generator=g) * 3
+    lp, tok = kdtree_ops.draft_topk(logits, budget)
+    root = torch.randint(0, TREE_V, (TREE_B,), device="cuda", generator=g)
+    return lp, tok, root
+
+
+def cpu_time_ms(fn, reps: int = 5) -> float:
+    """Median wall-clock milliseconds of fn() on the host."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+@pytest.mark.parametrize("budget", [16, 64, 512, 1024])
+def test_bench_build_tree(benchmark, budget):
+    """Batch 8, L = 15: the GPU build vs the per-request CPU heapq build (the reference)."""
+    lp, tok, root = tree_bench_inputs(budget)
+    ms = gpu_time_ms(lambda: kdtree_ops.build_tree(lp, tok, root, budget))
+    args_cpu = [t.cpu() for t in (lp, tok, root)]
+    cpu_ms = cpu_time_ms(lambda: kdtree_ops.build_tree(*args_cpu, budget), reps=3)
+    report(benchmark, f"build_tree B={TREE_B} L={TREE_L} budget={budget}", ms, cpu_heapq_ms=cpu_ms, speedup=cpu_ms / ms)
+    run(benchmark, lambda: kdtree_ops.build_tree(lp, tok, root, budget))
+
+
+def python_loop_metadata(tree: kdtree_ops.Tree, prefix_lens: list[int]):
+    """What SGLang's DDTree path does per step: per-request torch ops for kv indices, positions
+    and the flat custom mask (prefix columns True + the tree's ancestor rows), then cat."""
+    N = tree.tokens.shape[1]
+    dev = tree.tokens.device
+    j = torch.arange(N, device=dev)
+    kv, pos, masks = [], [], []
+    for b, P in enumerate(prefix_lens):
+        kv.append(torch.arange(P, device=dev))
+        pos.append(P + tree.depths[b].long())
+        anc = ((tree.mask[b][:, j // 32] >> (j % 32)) & 1).bool()
+        masks.append(torch.cat([torch.ones(N, P, dtype=torch.bool, device=dev), anc], dim=1).flatten())
+    return torch.cat(kv), torch.cat(pos), torch.cat(masks)
+
+
+@pytest.mark.parametrize("context", [1024, 131072])
+@pytest.mark.parametrize("budget", [16, 64, 512, 1024])
+def test_bench_verify_metadata(benchmark, budget, context):
+    """Positions + EAGLE retrieve arrays + SGLang's flat custom mask vs the Python loop."""
+    lp, tok, root = tree_bench_inputs(budget)
+    tree = kdtree_ops.build_tree(lp, tok, root, budget)
+    lens = [context - 17 * b for b in range(TREE_B)]  # unequal, so rows are misaligned
+    prefix_lens = torch.tensor(lens, device="cuda")
+    N = budget + 1
+    size = kdtree_ops.flat_mask_size(sum(lens), TREE_B, N)
+
+    def fn():
+        return kdtree_ops.verify_metadata(tree, prefix_lens, retrieve=True, custom_mask_capacity=size)
+
+    ms = gpu_time_ms(fn, reps=20, graph_calls=2)
+    loop_ms = event_time_ms(lambda: python_loop_metadata(tree, lens), reps=10)
+    report(benchmark, f"verify_metadata B={TREE_B} budget={budget} ctx={context}", ms, nbytes=size,
+           python_loop_ms=loop_ms, speedup=loop_ms / ms)
+    run(benchmark, fn)
+
+
+@pytest.mark.parametrize("budget", [64, 512, 1024])
+def test_bench_accept_walk(benchmark, budget):
+    lp, tok, root = tree_bench_inputs(budget)
+    tree = kdtree_ops.build_tree(lp, tok, root, budget)
+    target = tree.tokens[:, torch.randperm(budget + 1, device="cuda")].contiguous()
+    ms = gpu_time_ms(lambda: kdtree_ops.accept_walk(tree, target, max_depth=TREE_L))
+    report(benchmark, f"accept_walk B={TREE_B} budget={budget}", ms)
+    run(benchmark, lambda: kdtree_ops.accept_walk(tree, target, max_depth=TREE_L))
+
+
 
 # ---- kv movement ----
 

@@ -645,6 +645,443 @@ def sglang_mask_to_packed(
     return torch.ops.kdtree.sglang_mask_to_packed(custom_mask, mask_indptr, qo_indptr, kv_indptr, num_rows, max_nodes)
 
 # ---- tree ops ----
+# DDTree (DESIGN.md §4): draft top-k, best-first tree build, verify metadata, accept walk.
+
+import heapq  # noqa: E402
+import struct  # noqa: E402
+
+MAX_TREE_BUDGET = 1024  # nodes per tree besides the root; N = budget + 1 <= 1025
+MAX_TREE_DEPTH = 31  # draft positions L
+
+
+class Tree(NamedTuple):
+    """A batch of draft trees in fixed-capacity slots (N = budget + 1 per request).
+
+    Node 0 is the root, nodes 1.. are in pop order of the best-first build, so every parent
+    precedes its children. Slots ``num_nodes[b] <= i < N`` are unused: token 0 (a valid id, so
+    padded slots can go through an embedding), parent -1, depth 0, mask row all zero.
+
+    Attributes
+    ----------
+    tokens : Tensor [B, N], int64
+    parents : Tensor [B, N], int32 (-1 for the root and unused slots)
+    depths : Tensor [B, N], int32 (root 0)
+    num_nodes : Tensor [B], int32 (root included)
+    mask : Tensor [B, N, ceil(N / 32)], int32
+        Packed ancestor mask: bit ``j % 32`` of word ``j // 32`` of row ``i`` is set when node
+        ``i`` may see node ``j`` (``j`` is ``i`` or one of its ancestors).
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    num_nodes: torch.Tensor
+    mask: torch.Tensor
+
+
+_F32 = struct.Struct("<f")
+
+
+def _f32_add(a: float, b: float) -> float:
+    """a + b rounded to float32 for float32 a and b (the double sum rounds exactly once more:
+    53 >= 2 * 24 + 2 bits, so the result is the correctly rounded float32 sum)."""
+    s = a + b
+    try:
+        return _F32.unpack(_F32.pack(s))[0]
+    except OverflowError:  # rounds beyond the float32 range
+        return math.copysign(math.inf, s)
+
+
+def _pack_rows(rows: list[int], words: int) -> torch.Tensor:
+    """Python-int bit rows -> [len(rows), words] int32, bit j in word j // 32."""
+    data = b"".join(r.to_bytes(4 * words, "little") for r in rows)
+    return torch.frombuffer(bytearray(data), dtype=torch.int32).view(len(rows), words).clone()
+
+
+def _build_tree_one(lp: list[list[float]], tok: list[list[int]], root: int, budget: int, keff: int):
+    """The paper's best-first build with heapq, float32 scores accumulated in depth order.
+
+    Heap entries are (-score, rank tuple, parent node, depth, rank); rank tuples are distinct,
+    so ties in score are broken by the tuple, lexicographically, and nothing else is compared.
+    """
+    L, N = len(lp), budget + 1
+    tokens, parents, depths, score = [0] * N, [-1] * N, [0] * N, [0.0] * N
+    tokens[0] = root
+    heap = [(-_f32_add(0.0, lp[0][0]), (0,), 0, 1, 0)]
+    n = 1
+    while n <= budget and heap:
+        neg, ranks, p, d, r = heapq.heappop(heap)
+        tokens[n], parents[n], depths[n], score[n] = tok[d - 1][r], p, d, -neg
+        if r + 1 < keff:  # next sibling
+            heapq.heappush(heap, (-_f32_add(score[p], lp[d - 1][r + 1]), ranks[:-1] + (r + 1,), p, d, r + 1))
+        if d < L:  # first child
+            heapq.heappush(heap, (-_f32_add(score[n], lp[d][0]), ranks + (0,), n, d + 1, 0))
+        n += 1
+    rows = [0] * N
+    for i in range(n):
+        rows[i] = (rows[parents[i]] if i else 0) | (1 << i)
+    return tokens, parents, depths, n, rows
+
+
+def _check_build_tree_args(topk_logprobs, topk_tokens, root_tokens, budget):
+    torch._check(topk_logprobs.dim() == 3, lambda: f"kdtree: topk_logprobs must be [B, L, K], got {tuple(topk_logprobs.shape)}")
+    torch._check(topk_logprobs.dtype == torch.float32, lambda: f"kdtree: topk_logprobs must be float32, got {topk_logprobs.dtype}")
+    torch._check(
+        topk_tokens.dtype in (torch.int32, torch.int64),
+        lambda: f"kdtree: topk_tokens must be int32 or int64, got {topk_tokens.dtype}",
+    )
+    torch._check(
+        topk_tokens.shape == topk_logprobs.shape,
+        lambda: f"kdtree: topk_tokens must have shape {tuple(topk_logprobs.shape)} like topk_logprobs, got {tuple(topk_tokens.shape)}",
+    )
+    B, L, K = topk_logprobs.shape
+    torch._check(root_tokens.dtype == torch.int64, lambda: f"kdtree: root_tokens must be int64, got {root_tokens.dtype}")
+    torch._check(root_tokens.shape == (B,), lambda: f"kdtree: root_tokens must have shape ({B},), got {tuple(root_tokens.shape)}")
+    torch._check(1 <= budget <= MAX_TREE_BUDGET, lambda: f"kdtree: budget must be in [1, {MAX_TREE_BUDGET}], got {budget}")
+    torch._check(1 <= L <= MAX_TREE_DEPTH, lambda: f"kdtree: topk_logprobs must have 1 to {MAX_TREE_DEPTH} positions (dim 1), got {L}")
+    torch._check(K >= 1, lambda: f"kdtree: topk_logprobs must have at least one rank (dim 2), got {K}")
+
+
+@_define("build_tree(Tensor topk_logprobs, Tensor topk_tokens, Tensor root_tokens, int budget) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+def _build_tree_cpu(topk_logprobs, topk_tokens, root_tokens, budget):
+    _check_build_tree_args(topk_logprobs, topk_tokens, root_tokens, budget)
+    B, L, K = topk_logprobs.shape
+    N, W = budget + 1, (budget + 32) // 32
+    keff = min(K, budget)
+    lp_all = topk_logprobs[:, :, :keff].tolist()
+    tok_all = topk_tokens[:, :, :keff].tolist()
+    roots = root_tokens.tolist()
+    tokens, parents, depths, num_nodes, mask = [], [], [], [], []
+    for b in range(B):
+        t, p, d, n, rows = _build_tree_one(lp_all[b], tok_all[b], roots[b], budget, keff)
+        tokens.append(t)
+        parents.append(p)
+        depths.append(d)
+        num_nodes.append(n)
+        mask.append(_pack_rows(rows, W))
+    dev = topk_logprobs.device
+    return (
+        torch.tensor(tokens, dtype=torch.int64, device=dev).view(B, N),
+        torch.tensor(parents, dtype=torch.int32, device=dev).view(B, N),
+        torch.tensor(depths, dtype=torch.int32, device=dev).view(B, N),
+        torch.tensor(num_nodes, dtype=torch.int32, device=dev).view(B),
+        (torch.stack(mask) if B else torch.empty(0, N, W, dtype=torch.int32)).to(dev),
+    )
+
+
+@torch.library.register_fake("kdtree::build_tree")
+def _build_tree_fake(topk_logprobs, topk_tokens, root_tokens, budget):
+    _check_build_tree_args(topk_logprobs, topk_tokens, root_tokens, budget)
+    B, N = topk_logprobs.shape[0], budget + 1
+    new = topk_logprobs.new_empty
+    return (
+        new((B, N), dtype=torch.int64),
+        new((B, N), dtype=torch.int32),
+        new((B, N), dtype=torch.int32),
+        new((B,), dtype=torch.int32),
+        new((B, N, (N + 31) // 32), dtype=torch.int32),
+    )
+
+
+def build_tree(
+    topk_logprobs: torch.Tensor, topk_tokens: torch.Tensor, root_tokens: torch.Tensor, budget: int
+) -> Tree:
+    """Build the DDTree draft tree of every request: its ``budget`` most probable prefixes.
+
+    Best-first, exactly as the paper's heap: node scores are float32 sums of log-probs in depth
+    order, ties broken by rank tuple (lexicographic, a prefix first); only the top
+    ``min(K, budget)`` ranks per position are used. The tree has ``min(budget, number of
+    possible prefixes)`` nodes besides the root. Log-probs must not be NaN.
+
+    Parameters
+    ----------
+    topk_logprobs : Tensor [B, L, K], float32, contiguous
+        Per draft position (1 <= L <= 31), the top-K log-probs sorted descending.
+    topk_tokens : Tensor [B, L, K], int32 or int64, contiguous
+        Their token ids.
+    root_tokens : Tensor [B], int64
+        Each tree's root (the previous step's bonus token).
+    budget : int
+        Nodes besides the root, 1 to 1024; N = budget + 1.
+
+    Returns
+    -------
+    Tree
+        ``tokens [B, N]`` int64, ``parents [B, N]`` int32, ``depths [B, N]`` int32,
+        ``num_nodes [B]`` int32, ``mask [B, N, ceil(N / 32)]`` int32 (see :class:`Tree`).
+    """
+    return Tree(*torch.ops.kdtree.build_tree(topk_logprobs, topk_tokens, root_tokens, budget))
+
+
+def draft_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k log-probs of the drafter's per-position logits: :func:`build_tree`'s inputs.
+
+    Plain torch ops (top-k of the logits minus their float32 log-sum-exp), so capturable in a
+    CUDA graph and traceable by ``torch.compile``.
+
+    Parameters
+    ----------
+    logits : Tensor [B, L, V], float32 / bfloat16 / float16
+    k : int
+        Ranks to keep, 1 <= k <= V.
+
+    Returns
+    -------
+    topk_logprobs : Tensor [B, L, k], float32, sorted descending (log-softmax values)
+    topk_tokens : Tensor [B, L, k], int64
+    """
+    values, tokens = torch.topk(logits, k, dim=-1, largest=True, sorted=True)
+    lse = torch.logsumexp(logits.float(), dim=-1, keepdim=True)
+    return values.float() - lse, tokens
+
+
+class VerifyMetadata(NamedTuple):
+    """What the target's tree-verify forward needs besides the tree (see :func:`verify_metadata`).
+
+    Attributes
+    ----------
+    positions : Tensor [B * N], int64
+        ``prefix_len + depth`` per node (``prefix_len`` for unused slots).
+    qo_indptr : Tensor [B + 1], int32
+        ``arange(B + 1) * N``: every request is padded to N query rows.
+    custom_mask : Tensor [capacity], bool, or None
+        SGLang's flat mask: request b's block starts at ``mask_indptr[b]`` and is N rows of
+        ``prefix_len_b + N`` columns, row-major; prefix columns True, then the tree row.
+        Entries from ``mask_indptr[B]`` to ``capacity`` are False.
+    mask_indptr : Tensor [B + 1], int64, or None
+        Exclusive cumulative sum of ``N * (prefix_len + N)``.
+    retrieve_index : Tensor [B, N], int64, or None
+        ``b * N + i``.
+    retrieve_next_token : Tensor [B, N], int64, or None
+        Each node's first (lowest-index) child, -1 if none.
+    retrieve_next_sibling : Tensor [B, N], int64, or None
+        The next higher-index child of the same parent, -1 if none (and for root/unused).
+    """
+
+    positions: torch.Tensor
+    qo_indptr: torch.Tensor
+    custom_mask: Optional[torch.Tensor]
+    mask_indptr: Optional[torch.Tensor]
+    retrieve_index: Optional[torch.Tensor]
+    retrieve_next_token: Optional[torch.Tensor]
+    retrieve_next_sibling: Optional[torch.Tensor]
+
+
+def _check_prefix_lens(prefix_lens, B):
+    torch._check(
+        prefix_lens.dtype in (torch.int32, torch.int64),
+        lambda: f"kdtree: prefix_lens must be int32 or int64, got {prefix_lens.dtype}",
+    )
+    torch._check(prefix_lens.shape == (B,), lambda: f"kdtree: prefix_lens must have shape ({B},), got {tuple(prefix_lens.shape)}")
+
+
+def _check_tree_tensor(t, name, like, dtype):
+    torch._check(t.dtype == dtype, lambda: f"kdtree: {name} must be {dtype}, got {t.dtype}")
+    torch._check(t.shape == like.shape, lambda: f"kdtree: {name} must have shape {tuple(like.shape)}, got {tuple(t.shape)}")
+
+
+def _check_verify_metadata_args(depths, parents, prefix_lens):
+    torch._check(depths.dim() == 2, lambda: f"kdtree: depths must be [B, N], got {tuple(depths.shape)}")
+    _check_tree_tensor(depths, "depths", depths, torch.int32)
+    _check_tree_tensor(parents, "parents", depths, torch.int32)
+    _check_prefix_lens(prefix_lens, depths.shape[0])
+
+
+@_define("verify_metadata(Tensor depths, Tensor parents, Tensor prefix_lens, bool retrieve) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+def _verify_metadata_cpu(depths, parents, prefix_lens, retrieve):
+    _check_verify_metadata_args(depths, parents, prefix_lens)
+    B, N = depths.shape
+    positions = (prefix_lens.to(torch.int64)[:, None] + depths.to(torch.int64)).reshape(-1)
+    qo_indptr = (torch.arange(B + 1, dtype=torch.int32) * N).to(depths.device)
+    if not retrieve:
+        empty = depths.new_empty((0,), dtype=torch.int64)
+        return positions, qo_indptr, empty, empty.clone(), empty.clone()
+    index = torch.arange(B * N, dtype=torch.int64).view(B, N)
+    first_child, next_sibling = [], []
+    for par in parents.tolist():
+        head, sib = [-1] * N, [-1] * N
+        for i in range(N - 1, -1, -1):  # prepend, last to first, like sglang's tree kernel
+            p = par[i]
+            if 0 <= p < N:
+                sib[i], head[p] = head[p], i
+        first_child.append(head)
+        next_sibling.append(sib)
+    as_tensor = lambda x: torch.tensor(x, dtype=torch.int64).view(B, N).to(depths.device)
+    return positions, qo_indptr, index.to(depths.device), as_tensor(first_child), as_tensor(next_sibling)
+
+
+@torch.library.register_fake("kdtree::verify_metadata")
+def _verify_metadata_fake(depths, parents, prefix_lens, retrieve):
+    _check_verify_metadata_args(depths, parents, prefix_lens)
+    B, N = depths.shape
+    rshape = (B, N) if retrieve else (0,)
+    new = depths.new_empty
+    return (
+        new((B * N,), dtype=torch.int64),
+        new((B + 1,), dtype=torch.int32),
+        new(rshape, dtype=torch.int64),
+        new(rshape, dtype=torch.int64),
+        new(rshape, dtype=torch.int64),
+    )
+
+
+def _check_flat_custom_mask_args(mask, prefix_lens, capacity):
+    torch._check(mask.dim() == 3, lambda: f"kdtree: mask must be [B, N, W], got {tuple(mask.shape)}")
+    torch._check(mask.dtype == torch.int32, lambda: f"kdtree: mask must be int32, got {mask.dtype}")
+    B, N, W = mask.shape
+    torch._check(
+        1 <= N <= MAX_TREE_BUDGET + 1,
+        lambda: f"kdtree: mask must have 1 to {MAX_TREE_BUDGET + 1} nodes (dim 1), got {N}",
+    )
+    torch._check(W == (N + 31) // 32, lambda: f"kdtree: mask must have {(N + 31) // 32} words per row (dim 2), got {W}")
+    _check_prefix_lens(prefix_lens, B)
+    torch._check(capacity >= 0, lambda: f"kdtree: capacity must be >= 0, got {capacity}")
+
+
+@_define("flat_custom_mask(Tensor mask, Tensor prefix_lens, int capacity) -> (Tensor, Tensor)")
+def _flat_custom_mask_cpu(mask, prefix_lens, capacity):
+    _check_flat_custom_mask_args(mask, prefix_lens, capacity)
+    B, N, W = mask.shape
+    j = torch.arange(N)
+    bits = ((mask[:, :, j // 32] >> (j % 32)) & 1).bool()  # [B, N, N]
+    lens = prefix_lens.to(torch.int64).clamp_min(0)
+    mask_indptr = torch.zeros(B + 1, dtype=torch.int64)
+    mask_indptr[1:] = torch.cumsum(N * (lens + N), 0)
+    out = torch.zeros(capacity, dtype=torch.bool)
+    for b, P in enumerate(lens.tolist()):
+        block = torch.ones(N, P + N, dtype=torch.bool)
+        block[:, P:] = bits[b]
+        start = int(mask_indptr[b])
+        end = min(start + block.numel(), capacity)
+        if start < end:
+            out[start:end] = block.reshape(-1)[: end - start]
+    return out.to(mask.device), mask_indptr.to(mask.device)
+
+
+@torch.library.register_fake("kdtree::flat_custom_mask")
+def _flat_custom_mask_fake(mask, prefix_lens, capacity):
+    _check_flat_custom_mask_args(mask, prefix_lens, capacity)
+    return mask.new_empty((capacity,), dtype=torch.bool), mask.new_empty((mask.shape[0] + 1,), dtype=torch.int64)
+
+
+def flat_mask_size(prefix_lens_sum: int, batch: int, num_slots: int) -> int:
+    """Entries of SGLang's flat custom mask: ``N * (sum(prefix_lens) + B * N)``, N = num_slots."""
+    return num_slots * (prefix_lens_sum + batch * num_slots)
+
+
+def verify_metadata(
+    tree: Tree,
+    prefix_lens: torch.Tensor,
+    *,
+    retrieve: bool = False,
+    custom_mask_capacity: Optional[int] = None,
+) -> VerifyMetadata:
+    """Positions and masks for verifying ``tree`` with the target; O(B * N^2) work.
+
+    Parameters
+    ----------
+    tree : Tree
+        From :func:`build_tree` (or any tree with the same layout).
+    prefix_lens : Tensor [B], int32 or int64
+        Tokens in each request's KV cache before the root (>= 0).
+    retrieve : bool
+        Also return EAGLE's ``retrieve_index / retrieve_next_token / retrieve_next_sibling``
+        (the arrays sglang's ``verify_tree_greedy`` consumes; children in index order).
+    custom_mask_capacity : int, optional
+        Also build SGLang's flat ``custom_mask`` into a buffer of this many entries. Its real
+        size, :func:`flat_mask_size`, depends on device data, so the caller passes a bound
+        (a host int; no sync here); if the bound is too small the mask is truncated.
+
+    Returns
+    -------
+    VerifyMetadata
+        ``positions [B*N]`` int64, ``qo_indptr [B+1]`` int32, and when requested
+        ``custom_mask [capacity]`` bool + ``mask_indptr [B+1]`` int64 and the three
+        ``retrieve_* [B, N]`` int64 arrays (None otherwise).
+    """
+    positions, qo_indptr, r_index, r_next, r_sibling = torch.ops.kdtree.verify_metadata(
+        tree.depths, tree.parents, prefix_lens, retrieve
+    )
+    custom_mask = mask_indptr = None
+    if custom_mask_capacity is not None:
+        custom_mask, mask_indptr = torch.ops.kdtree.flat_custom_mask(tree.mask, prefix_lens, custom_mask_capacity)
+    if not retrieve:
+        r_index = r_next = r_sibling = None
+    return VerifyMetadata(positions, qo_indptr, custom_mask, mask_indptr, r_index, r_next, r_sibling)
+
+
+def _check_accept_walk_args(parents, tokens, target_tokens, max_depth):
+    torch._check(parents.dim() == 2, lambda: f"kdtree: parents must be [B, N], got {tuple(parents.shape)}")
+    _check_tree_tensor(parents, "parents", parents, torch.int32)
+    _check_tree_tensor(tokens, "tokens", parents, torch.int64)
+    _check_tree_tensor(target_tokens, "target_tokens", parents, torch.int64)
+    N = parents.shape[1]
+    torch._check(
+        1 <= N <= MAX_TREE_BUDGET + 1,
+        lambda: f"kdtree: parents must have 1 to {MAX_TREE_BUDGET + 1} nodes (dim 1), got {N}",
+    )
+    torch._check(max_depth >= 0, lambda: f"kdtree: max_depth must be >= 0, got {max_depth}")
+
+
+@_define("accept_walk(Tensor parents, Tensor tokens, Tensor target_tokens, int max_depth) -> (Tensor, Tensor, Tensor)")
+def _accept_walk_cpu(parents, tokens, target_tokens, max_depth):
+    _check_accept_walk_args(parents, tokens, target_tokens, max_depth)
+    B, N = parents.shape
+    accepted = torch.full((B, max_depth + 1), -1, dtype=torch.int32)
+    accept_len = torch.zeros(B, dtype=torch.int32)
+    bonus = torch.zeros(B, dtype=torch.int64)
+    for b, (par, tok, tgt) in enumerate(zip(parents.tolist(), tokens.tolist(), target_tokens.tolist())):
+        path = [0]
+        while len(path) <= max_depth:
+            cur = path[-1]
+            nxt = next((j for j in range(1, N) if par[j] == cur and tok[j] == tgt[cur]), None)
+            if nxt is None:
+                break
+            path.append(nxt)
+        accepted[b, : len(path)] = torch.tensor(path, dtype=torch.int32)
+        accept_len[b] = len(path)
+        bonus[b] = tgt[path[-1]]
+    dev = parents.device
+    return accepted.to(dev), accept_len.to(dev), bonus.to(dev)
+
+
+@torch.library.register_fake("kdtree::accept_walk")
+def _accept_walk_fake(parents, tokens, target_tokens, max_depth):
+    _check_accept_walk_args(parents, tokens, target_tokens, max_depth)
+    B = parents.shape[0]
+    new = parents.new_empty
+    return new((B, max_depth + 1), dtype=torch.int32), new((B,), dtype=torch.int32), new((B,), dtype=torch.int64)
+
+
+def accept_walk(
+    tree: Tree, target_tokens: torch.Tensor, max_depth: Optional[int] = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Walk each tree along the target's tokens (DESIGN.md §4; lossless at any temperature).
+
+    From the root with ``next = target_tokens[b, 0]``: while some child of the current node
+    carries ``next``, move to it (the lowest-index such child when several do) and set
+    ``next`` to its target token; at most ``max_depth`` moves.
+
+    Parameters
+    ----------
+    tree : Tree
+    target_tokens : Tensor [B, N], int64
+        The target's token per node (argmax, or a sample at temperature > 0).
+    max_depth : int, optional
+        Capacity of the walk; default ``N - 1``, which always suffices. Pass the draft length L
+        for ``[B, L + 1]`` outputs (a tree never is deeper than L).
+
+    Returns
+    -------
+    accepted : Tensor [B, max_depth + 1], int32
+        Visited node indices, root first, padded with -1.
+    accept_len : Tensor [B], int32
+        Visited nodes, root included (>= 1).
+    bonus : Tensor [B], int64
+        The final ``next``: the target's token after the last accepted node.
+    """
+    depth = tree.parents.shape[1] - 1 if max_depth is None else max_depth
+    return torch.ops.kdtree.accept_walk(tree.parents, tree.tokens, target_tokens, depth)
 
 
 # ---- kv movement ----
@@ -862,6 +1299,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{name:24s} {device:7s} {err:12.2e} {ms:9.3f}  {'ok' if ok else 'MISMATCH'}")
     print(f"\n{'all ops match their references' if not failures else f'{failures} op(s) differ from their references'}")
     return 1 if failures else 0
+
 
 _load_cuda()
 

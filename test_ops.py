@@ -468,6 +468,386 @@ def test_verify_attn_rejects_bad_input(device):
 
 # ---- tree ops ----
 
+import itertools  # noqa: E402
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+# Log-prob value sets: "ties" sums exactly (many equal scores), "absorb" has terms that vanish
+# in float32 sums (equal scores across depths), "wild" is unsorted with positive values (the
+# build must still replay the heap exactly), "inf" has -inf tails.
+TIE_VALUES = [0.0, -0.5, -1.0, -1.5, -2.0]
+ABSORB_VALUES = [0.0, -1e-30, -3e-8, -1.0, -1e7]
+
+
+def tree_inputs(B, L, K, kind="normal", device="cpu", tok_dtype=torch.int64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "normal":
+        lp = torch.log_softmax(torch.randn(B, L, max(K, 2), generator=g) * 3, -1)[..., :K]
+    elif kind in ("ties", "absorb", "inf"):
+        vals = torch.tensor(ABSORB_VALUES if kind == "absorb" else TIE_VALUES)
+        lp = vals[torch.randint(0, len(vals), (B, L, K), generator=g)]
+        if kind == "inf":
+            lp[torch.rand(B, L, K, generator=g) < 0.3] = -math.inf
+    elif kind == "wild":
+        lp = torch.randint(-3, 2, (B, L, K), generator=g).float()
+    else:
+        raise ValueError(kind)
+    if kind != "wild":
+        lp = lp.sort(-1, descending=True).values
+    tok = torch.randint(0, 50000, (B, L, K), generator=g).to(tok_dtype)
+    root = torch.randint(0, 50000, (B,), generator=g)
+    return [t.contiguous().to(device) for t in (lp.float(), tok, root)]
+
+
+def brute_force_tree(lp, tok, root, budget):
+    """Top-`budget` prefixes by (float32 score desc, rank tuple), by full enumeration."""
+    L, K = len(lp), min(len(lp[0]), budget)
+    prefixes = []
+    for d in range(1, L + 1):
+        for ranks in itertools.product(range(K), repeat=d):
+            s = 0.0
+            for depth, r in enumerate(ranks):
+                s = kdtree_ops._f32_add(s, lp[depth][r])
+            prefixes.append((-s, ranks))
+    order = [ranks for _, ranks in sorted(prefixes)[:budget]]
+    index = {ranks: i + 1 for i, ranks in enumerate(order)}
+    tokens = [root] + [tok[len(r) - 1][r[-1]] for r in order]
+    parents = [-1] + [index.get(r[:-1], 0) for r in order]
+    depths = [0] + [len(r) for r in order]
+    return tokens, parents, depths
+
+
+def check_tree_invariants(tree, topk_tokens, budget):
+    B, N = tree.tokens.shape
+    L, K = topk_tokens.shape[1], topk_tokens.shape[2]
+    keff = min(K, budget)
+    possible = sum(keff**d for d in range(1, L + 1))
+    assert tree.num_nodes.tolist() == [min(budget, possible) + 1] * B
+    W = (N + 31) // 32
+    for b in range(B):
+        n = int(tree.num_nodes[b])
+        par, dep = tree.parents[b].tolist(), tree.depths[b].tolist()
+        assert par[0] == -1 and dep[0] == 0
+        rows = [0] * N
+        for i in range(n):
+            if i:
+                assert 0 <= par[i] < i and dep[i] == dep[par[i]] + 1 <= L
+            rows[i] = (rows[par[i]] if i else 0) | 1 << i
+        assert all(p == -1 for p in par[n:]) and all(d == 0 for d in dep[n:])
+        assert tree.tokens[b, n:].eq(0).all()
+        assert torch.equal(tree.mask[b].cpu(), kdtree_ops._pack_rows(rows, W))
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "absorb", "inf"])
+@pytest.mark.parametrize("L,K,budget", [(1, 1, 1), (1, 5, 3), (3, 2, 14), (3, 3, 50), (4, 3, 7), (2, 6, 9), (5, 2, 40)])
+def test_build_tree_reference_is_top_prefixes(L, K, budget, kind):
+    lp, tok, root = tree_inputs(2, L, K, kind, seed=L * 100 + K * 10 + budget)
+    tree = kdtree_ops.build_tree(lp, tok, root, budget)
+    check_tree_invariants(tree, tok, budget)
+    for b in range(2):
+        n = int(tree.num_nodes[b])
+        tokens, parents, depths = brute_force_tree(lp[b].tolist(), tok[b].tolist(), int(root[b]), budget)
+        assert tree.tokens[b, :n].tolist() == tokens
+        assert tree.parents[b, :n].tolist() == parents
+        assert tree.depths[b, :n].tolist() == depths
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    L=st.integers(1, 4),
+    K=st.integers(1, 4),
+    budget=st.integers(1, 60),
+    values=st.lists(st.sampled_from(TIE_VALUES + ABSORB_VALUES + [-math.inf]), min_size=1, max_size=64),
+)
+def test_build_tree_reference_property(L, K, budget, values):
+    n = L * K
+    lp = torch.tensor((values * n)[:n]).view(1, L, K).sort(-1, descending=True).values.contiguous()
+    tok = torch.arange(n, dtype=torch.int64).view(1, L, K)
+    tree = kdtree_ops.build_tree(lp, tok, torch.tensor([7]), budget)
+    check_tree_invariants(tree, tok, budget)
+    m = int(tree.num_nodes[0])
+    assert brute_force_tree(lp[0].tolist(), tok[0].tolist(), 7, budget) == (
+        tree.tokens[0, :m].tolist(),
+        tree.parents[0, :m].tolist(),
+        tree.depths[0, :m].tolist(),
+    )
+
+
+def test_build_tree_reference_hand_case():
+    # depth 1: a (-0.1), b (-1.0); depth 2: x (-0.2), y (-3.0)
+    lp = torch.tensor([[[-0.1, -1.0], [-0.2, -3.0]]])
+    tok = torch.tensor([[[10, 11], [20, 21]]])
+    tree = kdtree_ops.build_tree(lp, tok, torch.tensor([1]), 5)
+    # a (-0.1), ax (-0.3), b (-1.0), bx (-1.2), ay (-3.1)
+    assert tree.tokens[0].tolist() == [1, 10, 20, 11, 20, 21]
+    assert tree.parents[0].tolist() == [-1, 0, 1, 0, 3, 1]
+    assert tree.depths[0].tolist() == [0, 1, 2, 1, 2, 2]
+    assert tree.mask[0, :, 0].tolist() == [0b1, 0b11, 0b111, 0b1001, 0b11001, 0b100011]
+
+
+def test_draft_topk_matches_log_softmax():
+    logits = torch.randn(3, 5, 97) * 4
+    lp, tok = kdtree_ops.draft_topk(logits, 7)
+    ref_lp, ref_tok = torch.log_softmax(logits, -1).topk(7, -1)
+    assert lp.dtype == torch.float32 and tok.dtype == torch.int64 and lp.shape == (3, 5, 7)
+    assert torch.allclose(lp, ref_lp, atol=1e-5) and torch.equal(tok, ref_tok)
+    assert (lp[..., 1:] <= lp[..., :-1]).all()
+    lp16, _ = kdtree_ops.draft_topk(logits.bfloat16(), 7)
+    assert lp16.dtype == torch.float32
+
+
+def unpack_mask(mask, N):
+    j = torch.arange(N, device=mask.device)
+    return ((mask[..., j // 32] >> (j % 32)) & 1).bool()
+
+
+def python_flat_mask(tree, prefix_lens):
+    """SGLang-style per-request loop: prefix columns True, then the tree's ancestor rows."""
+    N = tree.tokens.shape[1]
+    blocks = []
+    for b, P in enumerate(prefix_lens.tolist()):
+        prefix = torch.ones(N, P, dtype=torch.bool, device=tree.mask.device)
+        blocks.append(torch.cat([prefix, unpack_mask(tree.mask[b], N)], 1).reshape(-1))
+    return torch.cat(blocks)
+
+
+def check_retrieve(meta, tree):
+    B, N = tree.parents.shape
+    assert torch.equal(meta.retrieve_index.cpu(), torch.arange(B * N).view(B, N))
+    nxt, sib, par = meta.retrieve_next_token.tolist(), meta.retrieve_next_sibling.tolist(), tree.parents.tolist()
+    for b in range(B):
+        for i in range(N):
+            children, c = [], nxt[b][i]
+            while c != -1:
+                children.append(c)
+                c = sib[b][c]
+            assert children == [j for j in range(N) if par[b][j] == i]
+        assert sib[b][0] == -1
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_verify_metadata_reference(index_dtype):
+    lp, tok, root = tree_inputs(3, 3, 2, "ties", seed=3)
+    tree = kdtree_ops.build_tree(lp, tok, root, 20)  # 14 possible prefixes: unused slots too
+    prefix_lens = torch.tensor([5, 0, 17], dtype=index_dtype)
+    N = 21
+    size = kdtree_ops.flat_mask_size(22, 3, N)
+    meta = kdtree_ops.verify_metadata(tree, prefix_lens, retrieve=True, custom_mask_capacity=size + 9)
+    assert torch.equal(meta.positions, (prefix_lens[:, None].long() + tree.depths).reshape(-1))
+    assert meta.qo_indptr.tolist() == [0, N, 2 * N, 3 * N] and meta.qo_indptr.dtype == torch.int32
+    assert meta.mask_indptr.tolist() == [0, N * (5 + N), N * (5 + N) + N * N, size]
+    assert torch.equal(meta.custom_mask[:size], python_flat_mask(tree, prefix_lens))
+    assert not meta.custom_mask[size:].any()
+    check_retrieve(meta, tree)
+    small = kdtree_ops.verify_metadata(tree, prefix_lens, custom_mask_capacity=size - 100)
+    assert torch.equal(small.custom_mask, meta.custom_mask[: size - 100])
+    assert small.retrieve_index is None
+
+
+def test_accept_walk_reference_hand_case():
+    # root -> 1 (5), 2 (7), 3 (5); 1 -> 4 (9); 3 -> 5 (8)
+    parents = torch.tensor([[-1, 0, 0, 0, 1, 3]], dtype=torch.int32)
+    tokens = torch.tensor([[100, 5, 7, 5, 9, 8]])
+    tree = kdtree_ops.Tree(tokens, parents, parents.clamp_min(0) * 0, torch.tensor([6], dtype=torch.int32), None)
+    target = torch.tensor([[5, 9, 0, 8, 11, 12]])
+    acc, n, bonus = kdtree_ops.accept_walk(tree, target, max_depth=3)
+    assert acc.tolist() == [[0, 1, 4, -1]] and n.tolist() == [3] and bonus.tolist() == [11]
+    acc, n, bonus = kdtree_ops.accept_walk(tree, target, max_depth=1)  # capacity stops the walk
+    assert acc.tolist() == [[0, 1]] and n.tolist() == [2] and bonus.tolist() == [9]
+    acc, n, bonus = kdtree_ops.accept_walk(tree, torch.tensor([[6, 0, 0, 0, 0, 0]]))
+    assert acc.tolist() == [[0, -1, -1, -1, -1, -1]] and n.tolist() == [1] and bonus.tolist() == [6]
+
+
+def walk_targets(tree, seed, follow=0.85):
+    """Target tokens that mostly follow the tree; some siblings share a token (tie rule)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    B, N = len(tokens), len(tokens[0])
+    rand = torch.rand(B, N, 2, generator=g).tolist()
+    target = torch.randint(0, 50000, (B, N), generator=g).tolist()
+    for b in range(B):
+        kids = [[] for _ in range(N)]
+        for j in range(1, N):
+            p = parents[b][j]
+            if p < 0:
+                continue
+            if kids[p] and rand[b][j][0] < 0.2:  # duplicate an earlier sibling's token
+                tokens[b][j] = tokens[b][kids[p][0]]
+            kids[p].append(j)
+        for i in range(N):
+            if kids[i] and rand[b][i][1] < follow:
+                target[b][i] = tokens[b][kids[i][int(rand[b][i][0] * len(kids[i]))]]
+    dev = tree.tokens.device
+    return tree._replace(tokens=torch.tensor(tokens, device=dev)), torch.tensor(target, device=dev)
+
+
+def test_accept_walk_reference_properties():
+    lp, tok, root = tree_inputs(6, 6, 4, "normal", seed=11)
+    tree, target = walk_targets(kdtree_ops.build_tree(lp, tok, root, 60), seed=1)
+    acc, n, bonus = kdtree_ops.accept_walk(tree, target, max_depth=6)
+    assert acc.shape == (6, 7) and (n >= 1).all()
+    for b in range(6):
+        path = acc[b, : int(n[b])].tolist()
+        assert path[0] == 0 and (acc[b, int(n[b]) :] == -1).all()
+        for u, v in zip(path, path[1:]):
+            assert int(tree.parents[b, v]) == u and tree.tokens[b, v] == target[b, u]
+            assert not any(int(tree.parents[b, j]) == u and tree.tokens[b, j] == target[b, u] for j in range(1, v))
+        last = path[-1]
+        assert int(bonus[b]) == int(target[b, last])
+        assert not any(int(tree.parents[b, j]) == last and tree.tokens[b, j] == bonus[b] for j in range(1, 61))
+
+
+def tree_op_args(device, budget=40, B=3):
+    lp, tok, root = tree_inputs(B, 5, 6, "ties", device=device, seed=5)
+    tree = kdtree_ops.build_tree(lp, tok, root, budget)
+    prefix_lens = torch.tensor([3, 0, 12][:B], device=device)
+    return lp, tok, root, tree, prefix_lens
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tree_ops_opcheck(device):
+    lp, tok, root, tree, prefix_lens = tree_op_args(device)
+    tree, target = walk_targets(tree, seed=2)
+    torch.library.opcheck(torch.ops.kdtree.build_tree.default, (lp, tok, root, 40))
+    torch.library.opcheck(torch.ops.kdtree.build_tree.default, (lp, tok.int(), root, 7))
+    for retrieve in (False, True):
+        torch.library.opcheck(torch.ops.kdtree.verify_metadata.default, (tree.depths, tree.parents, prefix_lens, retrieve))
+    torch.library.opcheck(torch.ops.kdtree.flat_custom_mask.default, (tree.mask, prefix_lens, 41 * (15 + 3 * 41) + 5))
+    torch.library.opcheck(torch.ops.kdtree.accept_walk.default, (tree.parents, tree.tokens, target, 5))
+
+
+def tree_pipeline(lp, tok, root, prefix_lens, target, budget=40, capacity=6000):
+    tree = kdtree_ops.build_tree(lp, tok, root, budget)
+    meta = kdtree_ops.verify_metadata(tree, prefix_lens, retrieve=True, custom_mask_capacity=capacity)
+    walk = kdtree_ops.accept_walk(tree, target, max_depth=5)
+    return tree, meta, walk
+
+
+def check_pipeline(args, out):
+    ref = tree_pipeline(*[a.cpu() for a in args])
+    for got, want in zip(out, ref):
+        for g, w in zip(got, want):
+            assert torch.equal(g.cpu(), w), (g, w)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tree_ops_compile(device):
+    lp, tok, root, tree, prefix_lens = tree_op_args(device)
+    target = walk_targets(tree, seed=3)[1]
+    args = (lp, tok, root, prefix_lens, target)
+    check_pipeline(args, torch.compile(tree_pipeline, fullgraph=True)(*args))
+
+
+def test_tree_ops_reject_bad_input():
+    lp, tok, root, tree, prefix_lens = tree_op_args("cpu")
+    devices = ["cpu", "cuda"] if GPU else ["cpu"]
+    for dev in devices:
+        lp_, tok_, root_ = lp.to(dev), tok.to(dev), root.to(dev)
+        with pytest.raises(RuntimeError, match="topk_logprobs must be (float32|Float)"):
+            kdtree_ops.build_tree(lp_.double(), tok_, root_, 8)
+        with pytest.raises(RuntimeError, match="topk_tokens must have shape"):
+            kdtree_ops.build_tree(lp_, tok_[:, :, :2], root_, 8)
+        with pytest.raises(RuntimeError, match="budget must be in"):
+            kdtree_ops.build_tree(lp_, tok_, root_, 1025)
+        with pytest.raises(RuntimeError, match="root_tokens must be (int64|Long)"):
+            kdtree_ops.build_tree(lp_, tok_, root_.int(), 8)
+        with pytest.raises(RuntimeError, match="prefix_lens must have shape"):
+            kdtree_ops.verify_metadata(tree._replace(**{k: v.to(dev) for k, v in tree._asdict().items()}), prefix_lens[:2].to(dev))
+        with pytest.raises(RuntimeError, match="target_tokens must have shape"):
+            kdtree_ops.accept_walk(tree._replace(**{k: v.to(dev) for k, v in tree._asdict().items()}), tree.tokens[:, :3].to(dev))
+    if GPU:
+        with pytest.raises(RuntimeError, match="topk_tokens must be a CUDA tensor"):
+            kdtree_ops.build_tree(lp.cuda(), tok, root.cuda(), 8)
+        with pytest.raises(RuntimeError, match="topk_logprobs must be contiguous"):
+            kdtree_ops.build_tree(lp.cuda().transpose(1, 2), tok.cuda().transpose(1, 2), root.cuda(), 8)
+
+
+def random_tree_configs(count, seed):
+    """(B, L, K, budget, kind, token dtype) covering budgets 1..1024, L 1..31, batch 1..64."""
+    g = torch.Generator().manual_seed(seed)
+    pick = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))
+    kinds = ["normal", "ties", "absorb", "inf", "wild"]
+    for i in range(count):
+        budget = [pick(1, 16), pick(17, 128), pick(129, 1024), pick(1, 1024)][i % 4]
+        B = pick(1, 64) if budget <= 128 else pick(1, 6)
+        K = [pick(1, 4), pick(1, budget), budget + pick(0, 40), pick(1, 2048)][pick(0, 3)]
+        yield B, pick(1, 31), K, budget, kinds[i % len(kinds)], [torch.int64, torch.int32][i % 2]
+
+
+@needs_gpu
+def test_build_tree_cuda_matches_reference():
+    trees = 0
+    for i, (B, L, K, budget, kind, tok_dtype) in enumerate(random_tree_configs(160, seed=1234)):
+        args = tree_inputs(B, L, K, kind, device="cuda", tok_dtype=tok_dtype, seed=i)
+        got = kdtree_ops.build_tree(*args, budget)
+        want = kdtree_ops.build_tree(*[a.cpu() for a in args], budget)
+        for name, g, w in zip(kdtree_ops.Tree._fields, got, want):
+            assert torch.equal(g.cpu(), w), (i, B, L, K, budget, kind, name)
+        trees += B
+    assert trees >= 1000
+
+
+@needs_gpu
+@pytest.mark.parametrize(
+    "B,L,K,budget,kind",
+    [(1, 1, 1, 1, "normal"), (2, 31, 1, 1024, "ties"), (3, 1, 2000, 1024, "ties"), (64, 15, 512, 512, "normal"),
+     (4, 31, 1024, 1024, "absorb"), (2, 2, 3, 1024, "inf"), (5, 15, 1, 8, "wild")],
+)
+def test_build_tree_cuda_edge_cases(B, L, K, budget, kind):
+    args = tree_inputs(B, L, K, kind, device="cuda", seed=B + L + K)
+    got = kdtree_ops.build_tree(*args, budget)
+    want = kdtree_ops.build_tree(*[a.cpu() for a in args], budget)
+    for name, g, w in zip(kdtree_ops.Tree._fields, got, want):
+        assert torch.equal(g.cpu(), w), name
+
+
+@needs_gpu
+def test_verify_metadata_and_accept_walk_cuda_match_reference():
+    g = torch.Generator().manual_seed(7)
+    for i, (B, L, K, budget, kind, _) in enumerate(random_tree_configs(40, seed=99)):
+        tree = kdtree_ops.build_tree(*tree_inputs(B, L, K, kind, device="cuda", seed=i), budget)
+        tree, target = walk_targets(tree, seed=i)
+        dtype = [torch.int32, torch.int64][i % 2]
+        prefix_lens = torch.randint(0, 3000, (B,), generator=g, dtype=dtype)
+        prefix_lens[0] = 0
+        N = budget + 1
+        size = kdtree_ops.flat_mask_size(int(prefix_lens.sum()), B, N)
+        capacity = [size, size + 37, max(size - 1000, 0)][i % 3]
+        args = (prefix_lens.cuda(),)
+        meta = kdtree_ops.verify_metadata(tree, *args, retrieve=True, custom_mask_capacity=capacity)
+        ref = kdtree_ops.verify_metadata(kdtree_ops.Tree(*[t.cpu() for t in tree]), prefix_lens, retrieve=True, custom_mask_capacity=capacity)
+        for name, a, b in zip(kdtree_ops.VerifyMetadata._fields, meta, ref):
+            assert torch.equal(a.cpu(), b), (i, name)
+        for depth in (L, N - 1):
+            got = kdtree_ops.accept_walk(tree, target, max_depth=depth)
+            want = kdtree_ops.accept_walk(kdtree_ops.Tree(*[t.cpu() for t in tree]), target.cpu(), max_depth=depth)
+            for a, b in zip(got, want):
+                assert torch.equal(a.cpu(), b), i
+
+
+@needs_gpu
+def test_tree_ops_cuda_graph():
+    seeds = iter(range(100))
+
+    def make_inputs():
+        s = next(seeds)
+        lp, tok, root = tree_inputs(4, 7, 9, ["ties", "normal"][s % 2], device="cuda", seed=s)
+        tree = kdtree_ops.build_tree(lp, tok, root, 40)
+        prefix_lens = torch.randint(0, 20, (4,), device="cuda")
+        return [lp, tok, root, prefix_lens[:4], walk_targets(tree, seed=s)[1][:4]]
+
+    def fn(lp, tok, root, prefix_lens, target):
+        return tree_pipeline(lp, tok, root, prefix_lens, target, capacity=4 * 41 * (20 + 41))
+
+    def check(inputs, out):
+        ref = fn(*[t.cpu() for t in inputs])
+        for got, want in zip(out, ref):
+            for g, w in zip(got, want):
+                assert torch.equal(g.cpu(), w)
+
+    graph_replay(fn, make_inputs, check)
+
+
 
 # ---- kv movement ----
 
