@@ -110,6 +110,13 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
   }
 }
 
+// 2^x in one MUFU op (ex2.approx: ~2 ulp; exact 0 at -inf), as flash-attention kernels use.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   uint32_t r;
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
@@ -256,6 +263,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const Params<T
       for (int e = 0; e < 4; ++e) o[i][j][e] = 0.f;
   // Softmax: warp (rt, dh) owns row rt*16 + g + 8*dh; running max (log2 domain) and sum.
   float row_max = -INFINITY, row_sum = 0.f;
+  const int my_row = rt * 16 + g + dh * 8;
 
   // Pipeline: tile t+1's rows (and tile t+2's slots) load while tile t computes.
   if (n_tiles > 0) load_tile(0, 0);
@@ -299,10 +307,6 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const Params<T
       const bool tree_tile = t >= pre_tiles;
       const int key0 = tree_tile ? (t - pre_tiles) * kKeys : pre_begin + t * kKeys;
       const int key_end = tree_tile ? nodes : pre_end;
-      const int r = rt * 16 + g + dh * 8;
-      const int m = row0 + r;
-      const int node = m < rows_b ? m / p.heads : 0;
-      const int32_t* mrow = p.mask ? p.mask + (q_begin + node) * p.mask_stride : nullptr;
       const float* other = part + (1 - dh) * 8 * 32;
       float x[8];
       float mx = -INFINITY;
@@ -310,40 +314,44 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const Params<T
       for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int key = key0 + j * 8 + t4 * 2 + e;
-          bool vis = key < key_end;
-          if (tree_tile && vis) {
-            if (mrow) {
-              const int w = key >> 5;
-              vis = w < p.mask_words && ((mrow[w] >> (key & 31)) & 1);
-            } else {
-              vis = key <= node;
-            }
-          }
-          const float v = (s[j][dh * 2 + e] + other[(j * 2 + e) * 32 + lane]) * p.scale_log2;
-          x[j * 2 + e] = vis ? v : -INFINITY;
-          mx = fmaxf(mx, x[j * 2 + e]);
+          x[j * 2 + e] = (s[j][dh * 2 + e] + other[(j * 2 + e) * 32 + lane]) * p.scale_log2;
+          if (key0 + j * 8 + t4 * 2 + e >= key_end) x[j * 2 + e] = -INFINITY;
         }
+      if (tree_tile) {  // the ancestor mask (or the causal chain) applies to tree keys only
+        const int m = row0 + my_row;
+        const int node = m < rows_b ? m / p.heads : 0;
+        const int32_t* mrow = p.mask ? p.mask + (q_begin + node) * p.mask_stride : nullptr;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int key = key0 + j * 8 + t4 * 2 + e, w = key >> 5;
+            const bool vis = mrow ? w < p.mask_words && ((mrow[w] >> (key & 31)) & 1) : key <= node;
+            if (!vis) x[j * 2 + e] = -INFINITY;
+          }
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) mx = fmaxf(mx, x[i]);
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       // -inf - -inf is NaN: a first visible max always counts as a move.
       rescaled = mx > row_max + kRescaleSlack || (row_max == -INFINITY && mx > -INFINITY);
-      const float alpha = rescaled ? exp2f(row_max - mx) : 1.f;
+      const float alpha = rescaled ? fast_exp2(row_max - mx) : 1.f;
       if (rescaled) row_max = mx;
       // A row with nothing visible yet keeps max -inf; subtract 0 then so exp gives 0.
       const float base = row_max == -INFINITY ? 0.f : row_max;
       float sum = 0.f;
-      T* prow = s_p + r * kPStride;
+      T* prow = s_p + my_row * kPStride;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const float p0 = exp2f(x[j * 2] - base), p1 = exp2f(x[j * 2 + 1] - base);
+        const float p0 = fast_exp2(x[j * 2] - base), p1 = fast_exp2(x[j * 2 + 1] - base);
         sum += p0 + p1;
         *reinterpret_cast<uint32_t*>(prow + j * 8 + t4 * 2) = pack2<T>(p0, p1);
       }
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
       row_sum = row_sum * alpha + sum;
-      if (t4 == 0) s_alpha[r] = alpha;
+      if (t4 == 0) s_alpha[my_row] = alpha;
     }
     // ---- O = O * alpha (only when some row's max moved) + P V, dims [64 warp, +64) ----
     if (__syncthreads_or(rescaled)) {
