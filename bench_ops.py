@@ -169,7 +169,10 @@ except Exception:  # SGLang's kernels absent: ours are still timed
 
 VERIFY_BENCH = [  # (batch, heads, nodes, context)
     (1, 16, 9, 4096),
+    (1, 16, 9, 8192),
+    (1, 16, 9, 16384),
     (1, 16, 9, 32768),
+    (1, 16, 9, 65536),
     (1, 16, 9, 131072),
     (1, 128, 9, 131072),
     (1, 128, 65, 32768),
@@ -180,23 +183,13 @@ VERIFY_BENCH = [  # (batch, heads, nodes, context)
 
 
 def sglang_verify(case, N):
-    """SGLang 0.5.23's TARGET_VERIFY call for MLA: extend_attention_fwd with the flat mask."""
+    """SGLang 0.5.23's TARGET_VERIFY call for MLA: extend_attention_fwd with the flat mask (the
+    same call `python -m kdtree_ops` times)."""
     flat, mask_indptr = sglang_flat_mask(case)
-    flat, mask_indptr = flat.cuda(), mask_indptr.cuda()
-    q, kv, tk = case["q"], case["kv_cache"], case["tree_k"]
-    T, H, _ = q.shape
-    k = tk.view(T, 1, 576)
-    v = tk[:, :512].contiguous().view(T, 1, 512)
-    o = torch.empty(T, H, 512, device="cuda", dtype=q.dtype)
-    kv_indices = case["kv_indices"].long()
-
-    def fn():
-        extend_attention_fwd(q, k, v, o, kv.view(-1, 1, 576), kv.view(-1, 1, 576)[..., :512], case["qo_indptr"],
-                             case["kv_indptr"], kv_indices, flat, True, mask_indptr, N, 1.0, 1.0,
-                             sm_scale=case["sm_scale"])
-        return o
-
-    return fn
+    T, H, _ = case["q"].shape
+    o = torch.empty(T, H, 512, device="cuda", dtype=case["q"].dtype)
+    return kdtree_ops._sglang_extend_attention(*verify_args(case)[:6], flat.cuda(), mask_indptr.cuda(), N,
+                                               case["sm_scale"], o)
 
 
 @pytest.mark.parametrize("B,H,N,ctx", VERIFY_BENCH)
@@ -372,3 +365,61 @@ def verify_attn_defrag_effect(benchmark, prefix: int = 131072, heads: int = 16, 
 @pytest.mark.skipif(not hasattr(kdtree_ops, "verify_attn"), reason="needs kdtree_ops.verify_attn")
 def test_bench_verify_attn_defrag_effect(benchmark):
     verify_attn_defrag_effect(benchmark)
+
+
+# ---- plot: python bench_ops.py plot BENCH_JSON OUT_PNG ----
+
+
+def plot(bench_json: str, out_png: str) -> None:
+    """Effective bandwidth vs context of verify_attn and SGLang's extend_attention_fwd (B=1,
+    H=16, N=9) from a $KDTREE_BENCH_JSON file, with the measured copy ceiling and the
+    compute-bound limit of that shape."""
+    import re
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(bench_json) as f:
+        data = json.load(f)
+    ours, theirs = {}, {}  # context -> GB/s
+    for r in data["results"]:
+        m = re.fullmatch(r"(verify_attn|sglang extend_attention_fwd) B=1 H=16 N=9 ctx=(\d+)", r["name"])
+        if m and "GB/s" in r:
+            (ours if m[1] == "verify_attn" else theirs)[int(m[2])] = r["GB/s"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, points, marker in (("kdtree_ops verify_attn", ours, "o"),
+                                  ("SGLang extend_attention_fwd (Triton)", theirs, "s")):
+        if points:
+            ctx = sorted(points)
+            ax.plot(ctx, [points[c] for c in ctx], marker=marker, label=label)
+    ceil = data.get("ceilings", {})
+    if ceil.get("copy GB/s"):
+        ax.axhline(ceil["copy GB/s"], color="gray", ls="--", label=f"device copy ceiling ({ceil['copy GB/s']:,.0f} GB/s)")
+    if ceil.get("bf16 mm TFLOP/s"):
+        # 144 (node, head) rows x 2 x (576 + 512) FLOP per 1,152-byte prefix token at the matrix
+        # ceiling: above this effective bandwidth the shape is compute-bound.
+        limit = 1152 / (144 * 2176 / (ceil["bf16 mm TFLOP/s"] * 1e12)) / 1e9
+        ax.axhline(limit, color="black", ls=":",
+                   label=f"compute-bound limit at {ceil['bf16 mm TFLOP/s']:.0f} TFLOP/s ({limit:,.0f} GB/s)")
+    ax.set_xscale("log", base=2)
+    ticks = sorted(set(ours) | set(theirs))
+    ax.set_xticks(ticks, [f"{c // 1024}k" if c >= 1024 else str(c) for c in ticks])
+    ax.minorticks_off()
+    ax.set_yscale("log")
+    ax.set_xlabel("context (prefix tokens)")
+    ax.set_ylabel("effective GB/s (prefix KV + q + out, once)")
+    ax.set_title(f"MLA tree-verify attention, B=1, 16 heads, 9 nodes\n{data.get('device', '?')}", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=150)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 4 or sys.argv[1] != "plot":
+        sys.exit("usage: python bench_ops.py plot BENCH_JSON OUT_PNG")
+    plot(sys.argv[2], sys.argv[3])

@@ -1693,3 +1693,19 @@ def test_hook_gpu_vs_sglang_triton(mask, graph):
         assert rel_err(o_ours[i], o_ref[i]) < 2e-2, f"layer {i}"
     print(f"\nhook vs SGLang Triton ({mask}, {'graph' if graph else 'eager'}, {layers} layers, B={B}, H={H}, N={N}, "
           f"prefixes {prefix_lens}): {t_ref:.3f} ms vs {t_ours:.3f} ms, speedup {t_ref / t_ours:.1f}x")
+
+
+# ---- main job ----
+
+
+def test_main_runs_a_checked_round_on_cpu(capsys):
+    """`python -m kdtree_ops` at tiny sizes: the self-check and every stage of the DDTree round
+    run, are checked and show up in the stage table."""
+    sizes = {"batch": 3, "context": 40, "budget": 12, "heads": 2, "layers": 2, "depth": 5, "vocab": 300}
+    argv = ["--device", "cpu"] + [a for k, v in sizes.items() for a in (f"--{k}", str(v))]
+    assert kdtree_ops.main(argv) == 0
+    table = capsys.readouterr().out.split("SGLang path ms")[1]
+    for stage in ("draft_topk", "build_tree", "verify_metadata", "kv_write", "verify_attn", "accept_walk",
+                  "commit_accept", "defragment"):
+        assert any(line.startswith(stage) and " ok: " in line for line in table.splitlines()), stage
+    assert "FAIL" not in table and "all checks passed" in table
