@@ -158,9 +158,8 @@ def cache_root() -> Path:
 
 
 def _write_ninja(build_dir: Path, cuda_home: Path, archs: list[str], lib_name: str) -> None:
-    from torch.utils import cpp_extension
-
-    includes = [SRC_DIR, *map(Path, cpp_extension.include_paths("cuda")), cuda_home / "include"]
+    torch_include = Path(torch.__file__).parent / "include"
+    includes = [SRC_DIR, torch_include, torch_include / "torch" / "csrc" / "api" / "include", cuda_home / "include"]
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     cflags = _NVCC_FLAGS + _gencode(archs) + [f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
     cflags += ["-Xptxas=-v"] if _env_flag("KDTREE_PTXAS_VERBOSE") else []
