@@ -257,21 +257,6 @@ def test_bench_build_tree(benchmark, budget):
     run(benchmark, lambda: kdtree_ops.build_tree(lp, tok, root, budget))
 
 
-def python_loop_metadata(tree: kdtree_ops.Tree, prefix_lens: list[int]):
-    """What SGLang's DDTree path does per step: per-request torch ops for kv indices, positions
-    and the flat custom mask (prefix columns True + the tree's ancestor rows), then cat."""
-    N = tree.tokens.shape[1]
-    dev = tree.tokens.device
-    j = torch.arange(N, device=dev)
-    kv, pos, masks = [], [], []
-    for b, P in enumerate(prefix_lens):
-        kv.append(torch.arange(P, device=dev))
-        pos.append(P + tree.depths[b].long())
-        anc = ((tree.mask[b][:, j // 32] >> (j % 32)) & 1).bool()
-        masks.append(torch.cat([torch.ones(N, P, dtype=torch.bool, device=dev), anc], dim=1).flatten())
-    return torch.cat(kv), torch.cat(pos), torch.cat(masks)
-
-
 @pytest.mark.parametrize("context", [1024, 131072])
 @pytest.mark.parametrize("budget", [16, 64, 512, 1024])
 def test_bench_verify_metadata(benchmark, budget, context):
@@ -287,7 +272,7 @@ def test_bench_verify_metadata(benchmark, budget, context):
         return kdtree_ops.verify_metadata(tree, prefix_lens, retrieve=True, custom_mask_capacity=size)
 
     ms = gpu_time_ms(fn, reps=20, graph_calls=2)
-    loop_ms = event_time_ms(lambda: python_loop_metadata(tree, lens), reps=10)
+    loop_ms = event_time_ms(lambda: kdtree_ops._python_metadata(tree, lens), reps=10)
     report(benchmark, f"verify_metadata B={TREE_B} budget={budget} ctx={context}", ms, nbytes=size,
            python_loop_ms=loop_ms, speedup=loop_ms / ms)
     run(benchmark, fn)

@@ -66,19 +66,12 @@ PROFILE_POINTS = (
 DDTREE_MODULES = ("sglang.srt.speculative.ddtree_worker", "sglang.srt.speculative.ddtree_utils")
 
 
-def _env_int(name: str, default: int) -> int:
+def _env_number(name: str, default, kind=int):
+    """A numeric env setting; a malformed value warns and keeps the default."""
     try:
-        return int(os.environ.get(name, default))
+        return kind(os.environ.get(name, default))
     except ValueError:
-        logger.warning("kdtree_ops: %s=%r is not an integer; using %d", name, os.environ[name], default)
-        return default
-
-
-def _env_float(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, default))
-    except ValueError:
-        logger.warning("kdtree_ops: %s=%r is not a number; using %g", name, os.environ[name], default)
+        logger.warning("kdtree_ops: %s=%r is not a valid %s; using %s", name, os.environ[name], kind.__name__, default)
         return default
 
 
@@ -252,12 +245,12 @@ class _Validator:
 class _State:
     def __init__(self, mode: str):
         self.mode = mode
-        self.log_every = max(1, _env_int("KDTREE_LOG_EVERY", 100))
+        self.log_every = max(1, _env_number("KDTREE_LOG_EVERY", 100))
         self.profile = os.environ.get("KDTREE_PROFILE", "").strip() == "1"
         self.defrag = os.environ.get("KDTREE_DEFRAG", "").strip() == "1"
-        self.defrag_budget = _env_int("KDTREE_DEFRAG_BUDGET_MB", 256) << 20
-        self.defrag_every = max(1, _env_int("KDTREE_DEFRAG_EVERY", 16))
-        self.validator = _Validator(_env_float("KDTREE_VALIDATE_TOL", 0.02))
+        self.defrag_budget = _env_number("KDTREE_DEFRAG_BUDGET_MB", 256) << 20
+        self.defrag_every = max(1, _env_number("KDTREE_DEFRAG_EVERY", 16))
+        self.validator = _Validator(_env_number("KDTREE_VALIDATE_TOL", 0.02, float))
         self.profiler = _Profiler()
         self.steps = 0  # verify steps seen (eager and graph replays)
         self.window_start = 0

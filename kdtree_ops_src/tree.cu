@@ -436,10 +436,7 @@ template <typename F> void dispatch_index(at::ScalarType dtype, F&& f) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_metadata(
     const at::Tensor& depths, const at::Tensor& parents, const at::Tensor& prefix_lens,
     bool retrieve) {
-  check_cuda(depths, "depths", depths);
-  check_dim(depths, "depths", 2);
-  check_dtype(depths, "depths", at::kInt);
-  check_contiguous(depths, "depths");
+  check_tree_arg(depths, "depths", depths, at::kInt);
   check_tree_arg(parents, "parents", depths, at::kInt);
   const int64_t B = depths.size(0), N = depths.size(1);
   check_prefix_lens(prefix_lens, depths, B);
@@ -642,10 +639,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> accept_walk(const at::Tensor& par
                                                           const at::Tensor& tokens,
                                                           const at::Tensor& target_tokens,
                                                           int64_t max_depth) {
-  check_cuda(parents, "parents", parents);
-  check_dim(parents, "parents", 2);
-  check_dtype(parents, "parents", at::kInt);
-  check_contiguous(parents, "parents");
+  check_tree_arg(parents, "parents", parents, at::kInt);
   check_tree_arg(tokens, "tokens", parents, at::kLong);
   check_tree_arg(target_tokens, "target_tokens", parents, at::kLong);
   const int64_t B = parents.size(0), N = parents.size(1);
