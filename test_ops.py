@@ -432,6 +432,46 @@ def test_pack_tree_mask(device):
     assert torch.equal(kdtree_ops._unpack_bits(packed, 70), mask)
 
 
+def mask_inputs(device):
+    """A fresh verify batch's SGLang flat mask, its expected packed rows and the op inputs."""
+    case = make_verify_case([5, 0, 70], [9, 33, 1], 1, device="cpu")
+    flat, indptr = sglang_flat_mask(case)
+    args = [flat.to(device), indptr.to(device), case["qo_indptr"].to(device), case["kv_indptr"].to(device)]
+    return args, case["visible"].to(device), case["tree_mask"]
+
+
+@needs_gpu
+def test_mask_ops_cuda_graph():
+    """Both packers captured once, replayed on new trees of the same shapes."""
+    def fresh():
+        args, visible, _ = mask_inputs("cuda")
+        return [*args, visible]
+
+    def check(inputs, out):
+        flat, indptr, qo, kvp, visible = [t.cpu() for t in inputs]
+        assert torch.equal(out[0].cpu(), kdtree_ops.sglang_mask_to_packed(flat, indptr, qo, kvp, num_rows=43, max_nodes=33))
+        assert torch.equal(out[1].cpu(), kdtree_ops.pack_tree_mask(visible))
+
+    def fn(flat, indptr, qo, kvp, visible):
+        return (kdtree_ops.sglang_mask_to_packed(flat, indptr, qo, kvp, num_rows=43, max_nodes=33),
+                kdtree_ops.pack_tree_mask(visible))
+
+    graph_replay(fn, fresh, check)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mask_ops_compile(device):
+    args, visible, expected = mask_inputs(device)
+
+    @torch.compile(fullgraph=True)
+    def f(flat, indptr, qo, kvp, visible):
+        return (kdtree_ops.sglang_mask_to_packed(flat, indptr, qo, kvp, num_rows=43, max_nodes=33),
+                kdtree_ops.pack_tree_mask(visible))
+
+    packed_flat, packed_bool = f(*args, visible)
+    assert torch.equal(packed_flat.cpu(), expected) and torch.equal(packed_bool.cpu(), expected)
+
+
 def test_verify_attn_check_mode_rejects_bad_indices(monkeypatch):
     case = make_verify_case([10, 4], [3, 2], 2, device="cpu", pool=20)
     monkeypatch.setenv("KDTREE_CHECK", "1")
