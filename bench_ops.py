@@ -226,10 +226,11 @@ import time  # noqa: E402
 TREE_B, TREE_L, TREE_V = 8, 15, 32000
 
 
-def tree_bench_inputs(budget: int, seed: int = 0):
-    """Draft top-K (K = budget) from peaked random logits, as a DFlash drafter would give."""
+def tree_bench_inputs(budget: int, seed: int = 0, sharpness: float = 3.0):
+    """Draft top-K (K = budget) from peaked random logits, as a DFlash drafter would give;
+    higher sharpness gives deeper trees with more candidates per depth."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    logits = torch.randn(TREE_B, TREE_L, TREE_V, device="cuda", generator=g) * 3
+    logits = torch.randn(TREE_B, TREE_L, TREE_V, device="cuda", generator=g) * sharpness
     lp, tok = kdtree_ops.draft_topk(logits, budget)
     root = torch.randint(0, TREE_V, (TREE_B,), device="cuda", generator=g)
     return lp, tok, root
@@ -246,14 +247,16 @@ def cpu_time_ms(fn, reps: int = 5) -> float:
     return statistics.median(times)
 
 
-@pytest.mark.parametrize("budget", [16, 64, 512, 1024])
-def test_bench_build_tree(benchmark, budget):
+@pytest.mark.parametrize("budget,sharpness", [(16, 3), (64, 3), (512, 3), (1024, 3), (512, 8), (1024, 8)])
+def test_bench_build_tree(benchmark, budget, sharpness):
     """Batch 8, L = 15: the GPU build vs the per-request CPU heapq build (the reference)."""
-    lp, tok, root = tree_bench_inputs(budget)
+    lp, tok, root = tree_bench_inputs(budget, sharpness=sharpness)
     ms = gpu_time_ms(lambda: kdtree_ops.build_tree(lp, tok, root, budget))
     args_cpu = [t.cpu() for t in (lp, tok, root)]
     cpu_ms = cpu_time_ms(lambda: kdtree_ops.build_tree(*args_cpu, budget), reps=3)
-    report(benchmark, f"build_tree B={TREE_B} L={TREE_L} budget={budget}", ms, cpu_heapq_ms=cpu_ms, speedup=cpu_ms / ms)
+    depth = kdtree_ops.build_tree(*args_cpu, budget).depths.max().item()
+    report(benchmark, f"build_tree B={TREE_B} L={TREE_L} budget={budget} logits x{sharpness}", ms,
+           cpu_heapq_ms=cpu_ms, speedup=cpu_ms / ms, max_depth=depth)
     run(benchmark, lambda: kdtree_ops.build_tree(lp, tok, root, budget))
 
 

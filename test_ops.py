@@ -842,6 +842,37 @@ def test_build_tree_cuda_edge_cases(B, L, K, budget, kind):
 
 
 @needs_gpu
+@pytest.mark.parametrize("case", ["flat", "peaked", "zeros", "wide_small_k"])
+def test_build_tree_cuda_parallel_and_replay_paths(case):
+    """The depth-wise build and the heap replay it falls back to agree with the reference.
+
+    flat (logits x 3) stays within the depth-wise build's capacity; peaked (logits x 8) at
+    budget 1024 puts thousands of candidates at depth 2, all-zero log-probs make every prefix
+    tie, and K < budget leaves the top list short of the budget with K * K candidates: those
+    three overflow it and take the replay.
+    """
+    B, L = 4, 15
+    g = torch.Generator().manual_seed(5)
+    if case in ("flat", "peaked"):
+        budget = K = 1024
+        lp = torch.log_softmax(torch.randn(B, L, 4096, generator=g) * (3 if case == "flat" else 8), -1)
+        lp = lp.topk(K, -1).values
+    elif case == "zeros":
+        budget = K = 1000
+        lp = torch.zeros(B, 3, K)
+    else:
+        budget, K = 1024, 700
+        lp = torch.log_softmax(torch.randn(B, L, K, generator=g), -1).sort(-1, descending=True).values
+    tok = torch.randint(0, 50000, lp.shape, generator=g)
+    root = torch.randint(0, 50000, (B,), generator=g)
+    args = [t.contiguous() for t in (lp.float(), tok, root)]
+    got = kdtree_ops.build_tree(*[a.cuda() for a in args], budget)
+    want = kdtree_ops.build_tree(*args, budget)
+    for name, a, b in zip(kdtree_ops.Tree._fields, got, want):
+        assert torch.equal(a.cpu(), b), name
+
+
+@needs_gpu
 def test_verify_metadata_and_accept_walk_cuda_match_reference():
     g = torch.Generator().manual_seed(7)
     for i, (B, L, K, budget, kind, _) in enumerate(random_tree_configs(40, seed=99)):

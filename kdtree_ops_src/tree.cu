@@ -188,6 +188,443 @@ __device__ int build_warp(const float* lpt, int lps, int L, int keff, int budget
   return n;
 }
 
+// ---- build_tree, parallel path ---------------------------------------------------------------
+//
+// The heap's pop order is the top-`budget` prefixes sorted by (score descending, rank tuple), so
+// the tree can be built a depth at a time by the whole CTA: keep S, the best `budget` prefixes
+// found so far in that order; a prefix of depth d + 1 can only enter S if its parent is in S
+// and, once S is full, its score is at least that of S's last entry. Per depth: count each
+// parent's children that pass by binary search over the sorted log-probs; when they are more
+// than the budget, raise the bar to the best score that still leaves `budget` prefixes at or
+// above it (bisection over score keys, each parent's count bracketed between steps); generate
+// the survivors in rank-tuple order, sort them and merge them into S. S is closed under taking
+// parents (a parent beats its children), so the children of its deepest entries are the only
+// new candidates. When the candidates or the table outgrow their shared memory, or the
+// log-probs are not sorted non-positive values, the heap replay runs instead.
+//
+// Entries live in a table of slots: 0 is the root; a slot's id packs its parent slot (13 bits),
+// rank (10 bits) and depth (5 bits); its ordinal is its index among the candidates of its depth,
+// which were generated in rank-tuple order, so equal scores compare by ordinal after climbing
+// to a common depth.
+
+constexpr int kMaxSlots = 8192, kMaxCandidates = 4096, kReplayMaxBudget = 32;
+static_assert(kMaxCandidates <= 8 * kBuildThreads, "block_sort holds 8 keys per thread");
+constexpr uint16_t kNoSlot = 0xFFFFu;
+constexpr int kParentsPerThread = kMaxBudget / kBuildThreads;
+
+__device__ __forceinline__ uint32_t pack_slot(uint32_t parent, uint32_t rank, uint32_t depth) {
+  return parent | rank << 13 | depth << 23;
+}
+__device__ __forceinline__ uint32_t slot_parent(uint32_t id) { return id & 0x1FFFu; }
+__device__ __forceinline__ uint32_t slot_rank(uint32_t id) { return (id >> 13) & 0x3FFu; }
+__device__ __forceinline__ uint32_t slot_depth(uint32_t id) { return id >> 23; }
+
+// Shared-memory layout of the parallel path; the host sizes the launch with the same function.
+struct LevelLayout {
+  size_t ckey, cid, t_score, t_id, sel_key, par_off, lprow, surv, t_ord, node_of, sel_slot,
+      par_slot, bytes;
+  __host__ __device__ LevelLayout(int cand_cap, int slot_cap, int budget, int keff) {
+    size_t o = 0;
+    auto take = [&o](size_t n) { const size_t at = o; o += (n + 15) / 16 * 16; return at; };
+    ckey = take(sizeof(uint64_t) * cand_cap);
+    cid = take(sizeof(uint32_t) * cand_cap);
+    t_score = take(sizeof(float) * slot_cap);
+    t_id = take(sizeof(uint32_t) * slot_cap);
+    sel_key = take(sizeof(uint32_t) * 2 * budget);
+    par_off = take(sizeof(int32_t) * (budget + 1));
+    lprow = take(sizeof(float) * 2 * keff);
+    surv = take(sizeof(uint16_t) * cand_cap);
+    t_ord = take(sizeof(uint16_t) * slot_cap);
+    node_of = take(sizeof(uint16_t) * slot_cap);
+    sel_slot = take(sizeof(uint16_t) * 2 * budget);
+    par_slot = take(sizeof(uint16_t) * budget);
+    bytes = o;
+  }
+};
+
+template <typename T> __device__ __forceinline__ T* at_offset(unsigned char* base, size_t off) {
+  return reinterpret_cast<T*>(base + off);
+}
+
+// Exclusive prefix sum of one value per thread, in thread order; all threads must call it.
+__device__ int block_exclusive_scan(int v, int* s_scan, int& total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  int x = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(kFull, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) s_scan[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    const int t = lane < warps ? s_scan[lane] : 0;
+    int w = t;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(kFull, w, o);
+      if (lane >= o) w += y;
+    }
+    if (lane < warps) s_scan[lane] = w - t;
+    if (lane == 31) s_scan[32] = w;
+  }
+  __syncthreads();
+  const int r = s_scan[warp] + x - v;
+  total = s_scan[32];
+  __syncthreads();  // s_scan is reused by the next call
+  return r;
+}
+
+__device__ int block_sum(int v, int* s_scan) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  v = __reduce_add_sync(kFull, v);
+  if (lane == 0) s_scan[warp] = v;
+  __syncthreads();
+  const int t = __reduce_add_sync(kFull, lane < static_cast<int>(blockDim.x >> 5) ? s_scan[lane] : 0);
+  __syncthreads();
+  return t;
+}
+
+__device__ uint32_t block_max(uint32_t v, int* s_scan) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  v = __reduce_max_sync(kFull, v);
+  if (lane == 0) s_scan[warp] = static_cast<int>(v);
+  __syncthreads();
+  const uint32_t t = __reduce_max_sync(
+      kFull, lane < static_cast<int>(blockDim.x >> 5) ? static_cast<uint32_t>(s_scan[lane]) : 0u);
+  __syncthreads();
+  return t;
+}
+
+// Ascending bitonic sort of the first `count` keys in shared memory by the whole CTA. Thread t
+// holds keys E*t .. E*t + E - 1 in registers (past `count`: the largest key), E = 1 .. 8 as
+// few as the block allows, so strides below E stay in registers, strides below 32 * E are warp
+// shuffles, and only longer ones meet at a barrier.
+template <int E, int J>
+__device__ __forceinline__ void sort_in_registers(uint64_t (&v)[E], int base, int k) {
+  if constexpr (J < E) {
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      if ((e & J) == 0) {
+        const uint64_t x = v[e], y = v[e | J];
+        if ((x > y) == (((base + e) & k) == 0)) {
+          v[e] = y;
+          v[e | J] = x;
+        }
+      }
+    }
+  }
+}
+
+template <int E> __device__ void block_sort(uint64_t* key, int count, int n) {
+  const int base = threadIdx.x * E;
+  const bool active = base < n;
+  const bool warp_active = (threadIdx.x & ~31) * E < n;
+  uint64_t v[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) v[e] = active && base + e < count ? key[base + e] : ~uint64_t{0};
+  for (int k = 2; k <= n; k <<= 1) {
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      if (j >= 32 * E) {
+        if (active) {
+#pragma unroll
+          for (int e = 0; e < E; ++e) key[base + e] = v[e];
+        }
+        __syncthreads();
+        if (active) {
+#pragma unroll
+          for (int e = 0; e < E; ++e) {
+            const uint64_t other = key[(base + e) ^ j];
+            const bool keep_min = (((base + e) & j) == 0) == (((base + e) & k) == 0);
+            v[e] = keep_min ? min(v[e], other) : max(v[e], other);
+          }
+        }
+        __syncthreads();
+      } else if (j >= E) {
+        if (warp_active) {
+#pragma unroll
+          for (int e = 0; e < E; ++e) {
+            const uint64_t other = __shfl_xor_sync(kFull, v[e], j / E);
+            const bool keep_min = (((base + e) & j) == 0) == (((base + e) & k) == 0);
+            v[e] = keep_min ? min(v[e], other) : max(v[e], other);
+          }
+        }
+      } else if (j == 4) {
+        sort_in_registers<E, 4>(v, base, k);
+      } else if (j == 2) {
+        sort_in_registers<E, 2>(v, base, k);
+      } else {
+        sort_in_registers<E, 1>(v, base, k);
+      }
+    }
+  }
+  if (active) {
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      if (base + e < count) key[base + e] = v[e];
+    }
+  }
+  __syncthreads();
+}
+
+__device__ void block_sort(uint64_t* key, int count) {
+  int n = 1;
+  while (n < count) n <<= 1;
+  if (n <= kBuildThreads) block_sort<1>(key, count, n);
+  else if (n <= 2 * kBuildThreads) block_sort<2>(key, count, n);
+  else if (n <= 4 * kBuildThreads) block_sort<4>(key, count, n);
+  else block_sort<8>(key, count, n);
+}
+
+// Ranks r in [lo, hi) of a parent with score s whose child scores are >= t, plus lo: the
+// children that pass are a prefix of the ranks, and the caller knows it ends in [lo, hi].
+__device__ __forceinline__ int children_at_least(const float* lprow, int lo, int hi, float s, float t) {
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (__fadd_rn(s, lprow[mid]) >= t) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
+struct LevelState {
+  uint64_t* ckey;      // candidates sorted by (score key, ordinal)
+  uint32_t* cid;       // [ordinal] candidate id
+  float* t_score;      // [slot]
+  uint32_t* t_id;      // [slot]
+  uint32_t* sel_key;   // [2][budget] score keys of S, double-buffered
+  int32_t* par_off;    // [parents + 1] first candidate of each parent
+  float* lprow;        // [2][keff] log-probs of the depth being built and the next
+  uint16_t* surv;      // [ordinal] slot of a candidate that entered S, else kNoSlot
+  uint16_t* t_ord;     // [slot]
+  uint16_t* node_of;   // [slot] node index once S is final
+  uint16_t* sel_slot;  // [2][budget] slots of S
+  uint16_t* par_slot;  // [parents] parents of the next depth, in rank-tuple order
+};
+
+// True when entry x of S (score key xk) comes before a depth-dc candidate with score key ck
+// whose parent is slot cp: by score, then by rank tuple.
+__device__ __forceinline__ bool entry_before(const LevelState& st, uint32_t x, uint32_t xk,
+                                             uint32_t ck, uint32_t cp, uint32_t dc) {
+  if (xk != ck) return xk < ck;
+  const uint32_t dx = slot_depth(st.t_id[x]);
+  uint32_t a = cp;
+  for (uint32_t da = dc - 1; da > dx; --da) a = slot_parent(st.t_id[a]);
+  if (a == x) return true;  // x is a prefix of the candidate
+  return st.t_ord[x] < st.t_ord[a];
+}
+
+// Builds the tree a depth at a time into s_id (node ids as pack_id) and returns the node
+// count, or 0 when a capacity ran out (the caller then replays the heap). Every thread calls it.
+__device__ int build_levels(const float* g_lp, int K, int L, int keff, int budget, int cand_cap,
+                            int slot_cap, const LevelState& st, uint32_t* s_id, int* s_scan) {
+  __shared__ int s_fail, s_kept;
+  const int tid = threadIdx.x, nt = blockDim.x;
+  // The depth-wise argument needs each depth's log-probs sorted and <= 0 (children never beat
+  // their parent); for anything else the heap still defines a tree, so it is replayed. A depth
+  // is checked as it is loaded: depths below the last one built cannot matter to the heap
+  // either, since it pops `budget` nodes before any of their parents.
+  auto out_of_order = [&](int d, int r, float v) {
+    return !(v <= 0.f) || (r > 0 && v > g_lp[static_cast<int64_t>(d) * K + r - 1]);
+  };
+  bool unsorted = false;
+  if (tid == 0) {
+    st.t_score[0] = 0.f;
+    st.t_id[0] = pack_slot(0, 0, 0);
+    st.t_ord[0] = 0;
+    st.par_slot[0] = 0;
+    s_fail = 0;
+  }
+  for (int r = tid; r < keff; r += nt) {
+    st.lprow[r] = g_lp[r];
+    unsorted |= out_of_order(0, r, g_lp[r]);
+  }
+  int m = 0, cur = 0, slots = 1, parents = 1;
+  for (int d = 0; d < L; ++d) {
+    if (__syncthreads_or(unsorted)) return 0;
+    const float* lprow = st.lprow + (d & 1) * keff;
+    // The next depth's log-probs are loaded now and stored at the end of this one.
+    float next[kParentsPerThread];
+#pragma unroll
+    for (int j = 0; j < kParentsPerThread; ++j) {
+      const int r = tid + j * kBuildThreads;
+      next[j] = d + 1 < L && r < keff ? g_lp[static_cast<int64_t>(d + 1) * K + r] : 0.f;
+      if (d + 1 < L && r < keff) unsorted |= out_of_order(d + 1, r, next[j]);
+    }
+    const uint16_t* sel = st.sel_slot + cur * budget;
+    const uint32_t* selk = st.sel_key + cur * budget;
+    const bool full = m == budget;
+    const float tau = full ? key_score(selk[budget - 1]) : -INFINITY;
+
+    // A thread owns parents p0 + j, j < kParentsPerThread; hi[j] = its children that pass.
+    const int p0 = tid * kParentsPerThread;
+    float sp[kParentsPerThread];
+    int lo[kParentsPerThread], hi[kParentsPerThread];
+    int mine = 0;
+#pragma unroll
+    for (int j = 0; j < kParentsPerThread; ++j) {
+      const bool own = p0 + j < parents;
+      sp[j] = own ? st.t_score[st.par_slot[p0 + j]] : 0.f;
+      lo[j] = 0;
+      hi[j] = !own ? 0 : full ? children_at_least(lprow, 0, keff, sp[j], tau) : keff;
+      mine += hi[j];
+    }
+    int nc = block_sum(mine, s_scan);
+    if (nc > budget) {
+      // Bisection for the smallest score key kb such that S and the candidates hold at least
+      // `budget` entries with key <= kb: everything worse can never enter S.
+      uint32_t khi = full ? selk[budget - 1] : 0u;
+      if (!full) {
+        uint32_t worst = m > 0 ? selk[m - 1] : 0u;
+#pragma unroll
+        for (int j = 0; j < kParentsPerThread; ++j) {
+          if (hi[j] > 0) worst = max(worst, score_key(__fadd_rn(sp[j], lprow[keff - 1])));
+        }
+        khi = block_max(worst, s_scan);
+      }
+      uint32_t klo = selk[0];
+      while (klo < khi && nc > budget) {
+        const uint32_t mid = klo + (khi - klo) / 2;
+        const float t = key_score(mid);
+        int cnt[kParentsPerThread], sum = 0;
+#pragma unroll
+        for (int j = 0; j < kParentsPerThread; ++j) {
+          cnt[j] = children_at_least(lprow, lo[j], hi[j], sp[j], t);
+          sum += cnt[j];
+        }
+        int in_s = 0, top = m;  // entries of S with key <= mid
+        while (in_s < top) {
+          const int q = (in_s + top) >> 1;
+          if (selk[q] <= mid) in_s = q + 1;
+          else top = q;
+        }
+        const int total = block_sum(sum, s_scan);
+        const bool enough = total + in_s >= budget;
+#pragma unroll
+        for (int j = 0; j < kParentsPerThread; ++j) (enough ? hi[j] : lo[j]) = cnt[j];
+        if (enough) {
+          khi = mid;
+          nc = total;
+        } else {
+          klo = mid + 1;
+        }
+      }
+    }
+    if (nc > cand_cap) return 0;  // uniform: nc is the same in every thread
+    if (nc == 0) break;
+    mine = 0;
+#pragma unroll
+    for (int j = 0; j < kParentsPerThread; ++j) mine += hi[j];
+    int run = block_exclusive_scan(mine, s_scan, nc);
+#pragma unroll
+    for (int j = 0; j < kParentsPerThread; ++j) {
+      if (p0 + j < parents) st.par_off[p0 + j] = run;
+      run += hi[j];
+    }
+    if (tid == 0) st.par_off[parents] = nc;
+    __syncthreads();
+
+    // Candidates in rank-tuple order: ordinal g belongs to the parent whose run holds g.
+    for (int g = tid; g < nc; g += nt) {
+      int a = 0, b = parents;  // last parent with par_off <= g
+      while (b - a > 1) {
+        const int mid = (a + b) >> 1;
+        if (st.par_off[mid] <= g) a = mid;
+        else b = mid;
+      }
+      const uint32_t ps = st.par_slot[a], r = g - st.par_off[a];
+      const float sc = __fadd_rn(st.t_score[ps], lprow[r]);
+      st.ckey[g] = static_cast<uint64_t>(score_key(sc)) << 32 | static_cast<uint32_t>(g);
+      st.cid[g] = pack_slot(ps, r, d + 1);
+    }
+    if (tid == 0) s_kept = 0;
+    __syncthreads();
+    if (parents > 1) block_sort(st.ckey, nc);  // one parent's children are already in order
+
+    // Merge S and the candidates; positions past the budget drop out.
+    uint16_t* sel2 = st.sel_slot + (cur ^ 1) * budget;
+    uint32_t* selk2 = st.sel_key + (cur ^ 1) * budget;
+    const uint32_t dc = d + 1;
+    for (int i = tid; i < m; i += nt) {
+      const uint32_t x = sel[i], xk = selk[i];
+      int a = 0, b = nc;  // candidates before x
+      while (a < b) {
+        const int mid = (a + b) >> 1;
+        const uint64_t k = st.ckey[mid];
+        const uint32_t cp = slot_parent(st.cid[static_cast<uint32_t>(k)]);
+        if (!entry_before(st, x, xk, static_cast<uint32_t>(k >> 32), cp, dc)) a = mid + 1;
+        else b = mid;
+      }
+      const int pos = i + a;
+      if (pos < budget) {
+        sel2[pos] = static_cast<uint16_t>(x);
+        selk2[pos] = xk;
+      }
+    }
+    for (int j = tid; j < nc; j += nt) {
+      const uint64_t k = st.ckey[j];
+      const uint32_t g = static_cast<uint32_t>(k), ck = static_cast<uint32_t>(k >> 32);
+      const uint32_t id = st.cid[g], cp = slot_parent(id);
+      int a = 0, b = m;  // entries of S before the candidate
+      while (a < b) {
+        const int mid = (a + b) >> 1;
+        if (entry_before(st, sel[mid], selk[mid], ck, cp, dc)) a = mid + 1;
+        else b = mid;
+      }
+      const int pos = j + a;
+      uint16_t slot = kNoSlot;
+      if (pos < budget) {
+        // Kept candidates are a prefix of the sorted ones, so their slots are contiguous.
+        if (slots + j >= slot_cap) {
+          s_fail = 1;
+        } else {
+          slot = static_cast<uint16_t>(slots + j);
+          sel2[pos] = slot;
+          selk2[pos] = ck;
+          st.t_score[slot] = key_score(ck);
+          st.t_id[slot] = id;
+          st.t_ord[slot] = static_cast<uint16_t>(g);
+          atomicMax(&s_kept, j + 1);
+        }
+      }
+      st.surv[g] = slot;
+    }
+    __syncthreads();
+    if (s_fail) return 0;
+    m = min(budget, m + nc);
+    cur ^= 1;
+    slots += s_kept;
+
+    // The kept candidates, in rank-tuple order, are the next depth's parents.
+    const int per_c = (nc + nt - 1) / nt, c0 = min(nc, tid * per_c), c1 = min(nc, c0 + per_c);
+    int flagged = 0;
+    for (int g = c0; g < c1; ++g) flagged += st.surv[g] != kNoSlot;
+    int at = block_exclusive_scan(flagged, s_scan, parents);
+    for (int g = c0; g < c1; ++g) {
+      if (st.surv[g] != kNoSlot) st.par_slot[at++] = st.surv[g];
+    }
+#pragma unroll
+    for (int j = 0; j < kParentsPerThread; ++j) {
+      const int r = tid + j * kBuildThreads;
+      if (d + 1 < L && r < keff) st.lprow[((d + 1) & 1) * keff + r] = next[j];
+    }
+    if (parents == 0) break;  // nothing deeper can enter S
+  }
+  __syncthreads();
+
+  const uint16_t* sel = st.sel_slot + cur * budget;
+  if (tid == 0) st.node_of[0] = 0;
+  for (int i = tid; i < m; i += nt) st.node_of[sel[i]] = static_cast<uint16_t>(i + 1);
+  __syncthreads();
+  if (tid == 0) s_id[0] = pack_id(0, 0, 0);
+  for (int i = tid; i < m; i += nt) {
+    const uint32_t u = st.t_id[sel[i]];
+    s_id[i + 1] = pack_id(st.node_of[slot_parent(u)], slot_rank(u), slot_depth(u));
+  }
+  __syncthreads();
+  return m + 1;
+}
+
 struct BuildArgs {
   const float* lp;       // [B, L, K]
   const void* tok;       // [B, L, K] int32 or int64
@@ -198,38 +635,62 @@ struct BuildArgs {
   int32_t* num_nodes;    // [B]
   int32_t* mask;         // [B, N, W]
   int L, K, keff, budget, N, W;
+  int cand_cap, slot_cap;  // capacities of the parallel path, 0 = heap replay only
   bool lp_in_smem;
 };
 
 template <int S, typename Tok>
 __global__ void __launch_bounds__(kBuildThreads, 1) build_tree_kernel(BuildArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ int s_nodes;
+  __shared__ int s_nodes, s_scan[33];
   const int b = blockIdx.x, N = a.N, lp1 = a.L + 1;
   float* s_score = reinterpret_cast<float*>(smem);
   uint32_t* s_id = reinterpret_cast<uint32_t*>(s_score + N);
-  float* s_lp = reinterpret_cast<float*>(s_id + N);
+  unsigned char* region = reinterpret_cast<unsigned char*>(s_id + N);  // one path's scratch
+  float* s_lp = reinterpret_cast<float*>(region);
   uint16_t* s_path = reinterpret_cast<uint16_t*>(s_lp + (a.lp_in_smem ? a.L * a.keff : 0));
-
   const float* g_lp = a.lp + static_cast<int64_t>(b) * a.L * a.K;
-  const float* lpt = g_lp;
-  int lps = a.K;
-  if (a.lp_in_smem) {  // the pop loop's loads are its critical path: keep them on chip
-    for (int i = threadIdx.x; i < a.L * a.keff; i += blockDim.x) {
-      const int d = i / a.keff;
-      s_lp[i] = g_lp[static_cast<int64_t>(d) * a.K + (i - d * a.keff)];
+
+  int nn = 0;
+  if (a.cand_cap > 0) {
+    const LevelLayout lay(a.cand_cap, a.slot_cap, a.budget, a.keff);
+    const LevelState st{at_offset<uint64_t>(region, lay.ckey),     at_offset<uint32_t>(region, lay.cid),
+                        at_offset<float>(region, lay.t_score),     at_offset<uint32_t>(region, lay.t_id),
+                        at_offset<uint32_t>(region, lay.sel_key),  at_offset<int32_t>(region, lay.par_off),
+                        at_offset<float>(region, lay.lprow),       at_offset<uint16_t>(region, lay.surv),
+                        at_offset<uint16_t>(region, lay.t_ord),    at_offset<uint16_t>(region, lay.node_of),
+                        at_offset<uint16_t>(region, lay.sel_slot), at_offset<uint16_t>(region, lay.par_slot)};
+    nn = build_levels(g_lp, a.K, a.L, a.keff, a.budget, a.cand_cap, a.slot_cap, st, s_id, s_scan);
+    for (int i = threadIdx.x; i < nn; i += blockDim.x) {  // root paths, for the mask below
+      uint32_t node = i;
+      for (int k = static_cast<int>(id_depth(s_id[i])); k >= 0; --k) {
+        s_path[i * lp1 + k] = static_cast<uint16_t>(node);
+        node = id_parent(s_id[node]);
+      }
     }
-    lpt = s_lp;
-    lps = a.keff;
   }
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    const int n = build_warp<S>(lpt, lps, a.L, a.keff, a.budget, lp1, s_score, s_id, s_path);
-    if (threadIdx.x == 0) s_nodes = n;
+  if (nn == 0) {
+    const float* lpt = g_lp;
+    int lps = a.K;
+    __syncthreads();  // the parallel path's scratch is reused
+    if (a.lp_in_smem) {  // the pop loop's loads are its critical path: keep them on chip
+      for (int i = threadIdx.x; i < a.L * a.keff; i += blockDim.x) {
+        const int d = i / a.keff;
+        s_lp[i] = g_lp[static_cast<int64_t>(d) * a.K + (i - d * a.keff)];
+      }
+      lpt = s_lp;
+      lps = a.keff;
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      const int n = build_warp<S>(lpt, lps, a.L, a.keff, a.budget, lp1, s_score, s_id, s_path);
+      if (threadIdx.x == 0) s_nodes = n;
+    }
+    __syncthreads();
+    nn = s_nodes;
   }
   __syncthreads();
 
-  const int nn = s_nodes;
   const Tok* tok = static_cast<const Tok*>(a.tok);
   const int64_t row0 = static_cast<int64_t>(b) * N;
   for (int i = threadIdx.x; i < N; i += blockDim.x) {
@@ -350,11 +811,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> build_tre
   a.budget = static_cast<int>(budget);
   a.N = static_cast<int>(N);
   a.W = static_cast<int>(W);
-  const size_t base = static_cast<size_t>(N) * (2 * sizeof(float) + (L + 1) * sizeof(uint16_t));
+  const size_t base = static_cast<size_t>(N) * 2 * sizeof(float);
+  const size_t path_bytes = static_cast<size_t>(N) * (L + 1) * sizeof(uint16_t);
   const size_t lp_bytes = static_cast<size_t>(L) * a.keff * sizeof(float);
   const size_t limit = static_cast<size_t>(max_smem_optin(topk_logprobs)) - 1024;  // static smem
-  a.lp_in_smem = base + lp_bytes <= limit;
-  const size_t smem = base + (a.lp_in_smem ? lp_bytes : 0);
+  a.lp_in_smem = base + lp_bytes + path_bytes <= limit;
+  size_t region = path_bytes + (a.lp_in_smem ? lp_bytes : 0);
+  // The parallel path needs room for a depth's candidates (about the budget once the bar is
+  // raised) and N table slots; more room only lets deeper or bushier trees avoid the replay.
+  a.cand_cap = a.slot_cap = 0;
+  // Small budgets replay faster than the depth-wise build's fixed cost of a few barriers per
+  // depth (H200: 6 us vs 15 us at budget 16, 26 us vs 18 us at 64).
+  const bool depthwise = a.budget > kReplayMaxBudget;
+  for (int cand = kMaxCandidates; depthwise && !a.cand_cap && cand >= a.budget && cand >= a.keff; cand /= 2) {
+    for (int slot = kMaxSlots; slot >= cand && slot > a.budget; slot /= 2) {
+      const size_t bytes = LevelLayout(cand, slot, a.budget, a.keff).bytes;
+      if (base + bytes <= limit) {
+        a.cand_cap = cand;
+        a.slot_cap = slot;
+        region = std::max(region, bytes);
+        break;
+      }
+    }
+  }
+  const size_t smem = base + region;
   if (topk_tokens.scalar_type() == at::kInt) {
     dispatch_slots<int32_t>(a, static_cast<int>(B), smem);
   } else {
