@@ -846,10 +846,10 @@ def test_build_tree_cuda_edge_cases(B, L, K, budget, kind):
 def test_build_tree_cuda_parallel_and_replay_paths(case):
     """The depth-wise build and the heap replay it falls back to agree with the reference.
 
-    flat (logits x 3) stays within the depth-wise build's capacity; peaked (logits x 8) at
-    budget 1024 puts thousands of candidates at depth 2, all-zero log-probs make every prefix
-    tie, and K < budget leaves the top list short of the budget with K * K candidates: those
-    three overflow it and take the replay.
+    flat (logits x 3) gives shallow bushy trees; peaked (logits x 8) deep ones with thousands of
+    candidates per depth until the bar is raised; K < budget leaves the top list short of the
+    budget with K * K candidates at depth 2; all-zero log-probs make every prefix tie, so the
+    bar cannot split them and the build overflows into the heap replay.
     """
     B, L = 4, 15
     g = torch.Generator().manual_seed(5)
