@@ -13,6 +13,8 @@ KDTREE_NO_BUILD=1  never build or load the CUDA kernels; the CPU references stil
 KDTREE_CHECK=1     validate index ranges and mask shapes on the device before each launch
                    (syncs the host; not for CUDA-graph capture).
 KDTREE_VERBOSE=1   show the compiler's output while building.
+KDTREE_VERIFY_WGMMA=0  on sm_90 (H100/H200), run verify attention on the portable mma.sync
+                   kernel instead of the wgmma one (read at every call).
 """
 
 from __future__ import annotations
@@ -135,6 +137,8 @@ def _gencode(archs: list[str]) -> list[str]:
     flags = []
     for a in archs:
         num = a.replace(".", "")
+        # 9.0 builds sm_90a (runs on every H100/H200): the verify-attention wgmma kernel needs it.
+        num += "a" if num == "90" else ""
         flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
     return flags
 

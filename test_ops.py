@@ -332,6 +332,17 @@ def test_verify_attn_cuda_dtypes_layouts(dtype, index_dtype, causal):
 
 
 @needs_gpu
+@pytest.mark.parametrize("prefix_lens,node_counts,heads", VERIFY_GRID)
+def test_verify_attn_cuda_portable_kernel(monkeypatch, prefix_lens, node_counts, heads):
+    """On sm_90 the wgmma kernel serves verify_attn; KDTREE_VERIFY_WGMMA=0 keeps the portable
+    mma.sync kernel (every other GPU's) checked on the same machine."""
+    monkeypatch.setenv("KDTREE_VERIFY_WGMMA", "0")
+    case = make_verify_case(prefix_lens, node_counts, heads)
+    out, lse = kdtree_ops.verify_attn(*verify_args(case), max_kv_len=max(prefix_lens))
+    assert_verify_close(out, lse, case)
+
+
+@needs_gpu
 def test_verify_attn_cuda_long_context_and_big_pool():
     """256k-token prefix with slots spread over a pool past 4 GB (64-bit offsets)."""
     S = (5 << 30) // 1152  # 5 GiB of latent rows

@@ -11,13 +11,14 @@
 // half the 576 dims, Q held in registers; the two halves are summed through shared memory.
 // O += P V: warp w owns all 64 rows x dims [64w, 64w+64). Shared memory stays under 99 KB
 // (sm_120) with two 32-key stages of 1,152-byte rows loaded by 16-byte cp.async.
-#include "common.cuh"
+//
+// On sm_90 (H100/H200) verify_attn_sm90.cu's wgmma kernel takes the same CTAs instead.
+#include "verify_attn.cuh"
 
 namespace kdtree {
 namespace {
 
-constexpr int kDqk = 576, kDv = 512;
-constexpr int kRows = 64, kKeys = 32, kRowTiles = kRows / 16, kWarps = 8, kThreads = kWarps * 32;
+constexpr int kRowTiles = kRows / 16, kWarps = 8, kThreads = kWarps * 32;
 constexpr int kNT = kDv / 8 / kWarps;                           // 8-dim output tiles per warp
 constexpr int kRowBytes = kDqk * 2, kChunks = kRowBytes / 16;  // 72 16-byte chunks per row
 // Rows sit 1,168 B apart in shared memory: the extra 16 B move consecutive rows to different
@@ -33,44 +34,6 @@ constexpr int kSmemP = kRows * kPStride * 2;
 constexpr int kSmemBytes = kSmemKV + kSmemS + kSmemP + 2 * kRows * 4;
 static_assert(kSmemBytes <= 99 * 1024, "must fit sm_120's 99 KB per block");
 static_assert(kRows * kRowPitch <= kSmemKV, "Q is staged through the KV buffers");
-// A row's running max only moves when a tile beats it by this much (log2 units): P stays
-// <= 2^8, and most tiles skip rescaling O.
-constexpr float kRescaleSlack = 8.f;
-
-template <typename T> struct Params {
-  const T* q;
-  int64_t q_st, q_sh;
-  const T* kv;
-  int64_t kv_stride;
-  const T* tree_k;
-  int64_t tk_stride;
-  const int32_t* kv_indptr;
-  const void* kv_indices;
-  const int32_t* qo_indptr;
-  const int32_t* mask;  // null: causal chain
-  int64_t mask_stride;
-  int mask_words;
-  int batch, heads, splits;
-  float scale_log2;
-  // direct output (splits == 1) or partials [splits][T*H][512] + [splits][T*H]
-  T* out;
-  int64_t out_st, out_sh;
-  float* lse;
-  int64_t lse_st, lse_sh;
-  float* part_o;
-  float* part_lse;
-  int64_t rows_total;
-};
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  // src-size 0 zero-fills: keys past the end read as zeros, never as NaN garbage.
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(valid ? 16 : 0));
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
 template <typename Idx>
 __device__ __forceinline__ void cp_async_idx(uint32_t dst, const Idx* src, bool valid) {
@@ -110,27 +73,8 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
   }
 }
 
-// 2^x in one MUFU op (ex2.approx: ~2 ulp; exact 0 at -inf), as flash-attention kernels use.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  uint32_t r;
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    r = *reinterpret_cast<uint32_t*>(&v);
-  } else {
-    __half2 v = __floats2half2_rn(lo, hi);
-    r = *reinterpret_cast<uint32_t*>(&v);
-  }
-  return r;
-}
-
 template <typename T, typename Idx>
-__global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const Params<T> p) {
+__global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyParams<T> p) {
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* s_kv = smem;
   float* s_part = reinterpret_cast<float*>(smem + kSmemKV);  // [row tiles][2][8][32] S halves
@@ -146,30 +90,9 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const Params<T
   const int g = lane >> 2, t4 = lane & 3;
 
   // ---- which request and which 64 rows: scan the per-request tile counts ----
-  const int tile = blockIdx.x;
   if (warp == 0) {
-    int base = 0, req = -1, row0 = 0;
-    for (int b0 = 0; b0 < p.batch && base <= tile; b0 += 32) {
-      const int b = b0 + lane;
-      int n = 0;
-      if (b < p.batch) n = (p.qo_indptr[b + 1] - p.qo_indptr[b]) * p.heads;
-      const int cnt = (n + kRows - 1) / kRows;
-      int incl = cnt;
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, incl, off);
-        if (lane >= off) incl += y;
-      }
-      const int excl = base + incl - cnt;
-      const bool mine = b < p.batch && tile >= excl && tile < excl + cnt;
-      const unsigned who = __ballot_sync(0xffffffffu, mine);
-      if (who) {
-        const int src = __ffs(who) - 1;
-        req = __shfl_sync(0xffffffffu, b, src);
-        row0 = (tile - __shfl_sync(0xffffffffu, excl, src)) * kRows;
-      }
-      base += __shfl_sync(0xffffffffu, incl, 31);
-    }
+    int req, row0;
+    find_row_tile(p, blockIdx.x, lane, req, row0);
     if (lane == 0) {
       s_req = req;
       s_row0 = row0;
@@ -425,7 +348,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const Params<T
 
 // One block per (t, h) row: merge the splits' partials by log-sum-exp.
 template <typename T>
-__global__ void __launch_bounds__(128) merge_splits_kernel(const Params<T> p) {
+__global__ void __launch_bounds__(128) merge_splits_kernel(const VerifyParams<T> p) {
   __shared__ float s_w[64];
   __shared__ float s_lse;
   const int64_t row = blockIdx.x;
@@ -545,7 +468,7 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   const int64_t work_tiles = T % batch == 0 ? batch * ceil_div(T / batch * H, kRows) : ceil_div(T * H, kRows);
   // Fewest waves per unit of prefix: time ~ ceil(tiles * s / slots) / s; among equals take the
   // smallest s (less to merge). Short prefixes (hint) are not cut below 256 keys per split.
-  const int64_t slots = num_sms(q);  // one CTA per SM (registers)
+  const int64_t slots = num_sms(q);  // one CTA per SM (registers; shared memory on sm_90)
   // Splitting only pays while the row tiles alone leave SMs idle: each split re-reads Q and
   // writes a 2 KB partial per row.
   int64_t max_split = std::min<int64_t>(kMaxSplits, (2 * slots + work_tiles - 1) / work_tiles);
@@ -570,7 +493,7 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
 
   dispatch_half(q.scalar_type(), "q", [&](auto tag) {
     using T_ = decltype(tag);
-    Params<T_> p{};
+    VerifyParams<T_> p{};
     p.q = static_cast<const T_*>(q.data_ptr());
     p.q_st = q.stride(0);
     p.q_sh = q.stride(1);
@@ -598,12 +521,14 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
     p.part_lse = splits > 1 ? part_lse.data_ptr<float>() : nullptr;
     p.rows_total = T * H;
 
-    auto kernel = kv_indices.scalar_type() == at::kInt ? verify_attn_kernel<T_, int32_t>
-                                                       : verify_attn_kernel<T_, int64_t>;
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    const bool idx32 = kv_indices.scalar_type() == at::kInt;
     const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(splits));
-    kernel<<<grid, kThreads, kSmemBytes, current_stream()>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (!launch_verify_attn_sm90(p, idx32, grid, current_stream())) {
+      auto kernel = idx32 ? verify_attn_kernel<T_, int32_t> : verify_attn_kernel<T_, int64_t>;
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+      kernel<<<grid, kThreads, kSmemBytes, current_stream()>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
     if (splits > 1) {
       merge_splits_kernel<T_><<<static_cast<unsigned>(T * H), 128, 0, current_stream()>>>(p);
       C10_CUDA_KERNEL_LAUNCH_CHECK();

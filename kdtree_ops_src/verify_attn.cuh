@@ -1,0 +1,107 @@
+// Shared by the portable verify-attention kernel (verify_attn.cu) and the Hopper wgmma kernel
+// (verify_attn_sm90.cu). Both take the same work split (CTA = one request's kRows (node, head)
+// rows x one prefix split, keys in kKeys tiles) and write the same direct or partial outputs, so
+// the host's split heuristic and the split merge serve either kernel.
+#pragma once
+
+#include "common.cuh"
+
+namespace kdtree {
+
+constexpr int kDqk = 576, kDv = 512;
+constexpr int kRows = 64, kKeys = 32;
+// A row's running max only moves when a tile beats it by this much (log2 units): P stays
+// <= 2^8, and most tiles skip rescaling O.
+constexpr float kRescaleSlack = 8.f;
+
+template <typename T> struct VerifyParams {
+  const T* q;
+  int64_t q_st, q_sh;
+  const T* kv;
+  int64_t kv_stride;
+  const T* tree_k;
+  int64_t tk_stride;
+  const int32_t* kv_indptr;
+  const void* kv_indices;
+  const int32_t* qo_indptr;
+  const int32_t* mask;  // null: causal chain
+  int64_t mask_stride;
+  int mask_words;
+  int batch, heads, splits;
+  float scale_log2;
+  // direct output (splits == 1) or partials [splits][T*H][512] + [splits][T*H]
+  T* out;
+  int64_t out_st, out_sh;
+  float* lse;
+  int64_t lse_st, lse_sh;
+  float* part_o;
+  float* part_lse;
+  int64_t rows_total;
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  // src-size 0 zero-fills: keys past the end read as zeros, never as NaN garbage.
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+
+// 2^x in one MUFU op (ex2.approx: ~2 ulp; exact 0 at -inf), as flash-attention kernels use.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  uint32_t r;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    r = *reinterpret_cast<uint32_t*>(&v);
+  } else {
+    __half2 v = __floats2half2_rn(lo, hi);
+    r = *reinterpret_cast<uint32_t*>(&v);
+  }
+  return r;
+}
+
+// Called by one full warp: the request and first row of row tile `tile`, scanning the
+// requests' tile counts 32 at a time (req = -1: the tile is past the work).
+template <typename T>
+__device__ __forceinline__ void find_row_tile(const VerifyParams<T>& p, int tile, int lane, int& req, int& row0) {
+  int base = 0;
+  req = -1;
+  row0 = 0;
+  for (int b0 = 0; b0 < p.batch && base <= tile; b0 += 32) {
+    const int b = b0 + lane;
+    int n = 0;
+    if (b < p.batch) n = (p.qo_indptr[b + 1] - p.qo_indptr[b]) * p.heads;
+    const int cnt = (n + kRows - 1) / kRows;
+    int incl = cnt;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, off);
+      if (lane >= off) incl += y;
+    }
+    const int excl = base + incl - cnt;
+    const bool mine = b < p.batch && tile >= excl && tile < excl + cnt;
+    const unsigned who = __ballot_sync(0xffffffffu, mine);
+    if (who) {
+      const int src = __ffs(who) - 1;
+      req = __shfl_sync(0xffffffffu, b, src);
+      row0 = (tile - __shfl_sync(0xffffffffu, excl, src)) * kRows;
+    }
+    base += __shfl_sync(0xffffffffu, incl, 31);
+  }
+}
+
+// Runs the wgmma kernel on grid (row tiles, splits) when the current device is sm_90 and this
+// build carries its sm_90a code; returns false, launching nothing, otherwise (or when
+// KDTREE_VERIFY_WGMMA=0), so the caller falls back to the portable kernel.
+template <typename T>
+bool launch_verify_attn_sm90(const VerifyParams<T>& p, bool idx32, dim3 grid, cudaStream_t stream);
+
+}  // namespace kdtree

@@ -1,0 +1,490 @@
+// Hopper (sm_90a) tree-verify attention on wgmma: the work split, outputs and numerics of
+// verify_attn.cu's kernel, which stays the path for every other GPU (sm_120 has no wgmma).
+//
+// CTA = 3 warpgroups over the same 64 (node, head) rows:
+//  - WG0 computes S = Q K^T for a 32-key tile (wgmma m64n32k16, Q and K from shared memory),
+//    runs the online softmax and hands P and each row's rescale factor to the other two through
+//    shared memory. S is double buffered: the next tile's product runs on the tensor cores
+//    while this tile's softmax runs on the ALUs.
+//  - WG1 and WG2 each own O[:, 256h, 256h + 256): 64 x 256 fp32 = 128 accumulators per thread
+//    (all 512 dims in one warpgroup would not fit 255 registers). O += P V is wgmma m64n256k16
+//    with V read transposed out of the same K tile. They also gather the K rows: page size 1
+//    leaves 1,152 contiguous bytes per key, so 16-byte cp.async per row rather than TMA. Each
+//    writes only the 64-dim column blocks its own P V reads (WG1 also the 64 rope dims), so a
+//    block is refilled as soon as its one reader is done, with no handshake between the two.
+// Shared memory (227 KB on sm_90): Q 72 KB + 4 K stages x 36 KB + 2 P buffers x 4 KB, rows
+// stored as 128-byte-swizzled 64-dim column blocks (64-byte for P), the layouts wgmma reads
+// without bank conflicts. Tiles stay 32 keys wide: 64-key stages would leave room for two, too
+// few to cover the gather latency.
+#include "verify_attn.cuh"
+
+#include <cstdlib>
+#include <cstring>
+
+namespace kdtree {
+namespace {
+
+constexpr int kStages = 4;
+constexpr int kWgThreads = 128, kThreads = 3 * kWgThreads;
+constexpr int kColBlocks = kDqk / 64;  // 64-dim (128-byte) column blocks per row
+constexpr int kQBlockBytes = kRows * 128, kKBlockBytes = kKeys * 128;
+constexpr int kStageBytes = kColBlocks * kKBlockBytes;
+constexpr int kPBytes = kRows * kKeys * 2;
+constexpr int kOffK = kColBlocks * kQBlockBytes;
+constexpr int kOffP = kOffK + kStages * kStageBytes;
+constexpr int kOffScale = kOffP + 2 * kPBytes;       // [2][kRows] rescale factor per P buffer
+constexpr int kOffStat = kOffScale + 2 * kRows * 4;  // [kRows] row max, then [kRows] row sum
+constexpr int kOffBar = kOffStat + 2 * kRows * 4;    // mbarriers: K stage full x 4, Q full
+constexpr int kOffTile = kOffBar + 8 * (kStages + 1);
+// The dynamic shared window is only 16-byte aligned; swizzled blocks need 1024.
+constexpr int kSmemBytes = kOffTile + 8 + 1024;
+static_assert(kSmemBytes <= 227 * 1024, "must fit sm_90's 227 KB per block");
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define KD_SM90A 1
+
+constexpr int kChunks = kDqk / 8;  // 16-byte chunks per row
+// Named barriers (0 is __syncthreads): P buffer b full (+b), P buffer b empty (+b), row stats.
+constexpr int kBarPFull = 1, kBarPEmpty = 3, kBarStats = 5;
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// Arrives on `bar` once every earlier cp.async of this thread has landed.
+__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// wgmma reads shared memory through the async proxy: order it after generic-proxy writes
+// (P stores, and the cp.async rows this thread has seen land).
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void named_sync(int id) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Accumulators are written by wgmma behind the compiler's back: pin them after a wait so no
+// read is hoisted above it.
+template <int N> __device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// Shared-memory matrix descriptor: start address, leading and stride byte offsets (16-byte
+// units) and swizzle (1: 128-byte, 2: 64-byte). K-major swizzled operands ignore the leading
+// offset; an MN-major one (V) steps 64-element MN blocks by it.
+__device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint32_t sbo, uint32_t swizzle) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | static_cast<uint64_t>(lbo >> 4) << 16 |
+         static_cast<uint64_t>(sbo >> 4) << 32 | static_cast<uint64_t>(swizzle) << 62;
+}
+
+#define KD_WGMMA_M64N32(TY)                                                                          \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                          \
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " "                           \
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15},"             \
+               "%16, %17, p, 1, 1, 0, 0;\n}\n"                                                       \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
+                 "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
+                 "+f"(d[14]), "+f"(d[15])                                                            \
+               : "l"(a), "l"(b), "n"(int(ScaleD)))
+
+#define KD_WGMMA_M64N256(TY)                                                                         \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                         \
+               "wgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " "                          \
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18," \
+               "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35," \
+               "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52," \
+               "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69," \
+               "%70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86," \
+               "%87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103," \
+               "%104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117," \
+               "%118, %119, %120, %121, %122, %123, %124, %125, %126, %127},"                        \
+               "%128, %129, p, 1, 1, 0, 1;\n}\n"                                                     \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
+                 "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
+                 "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \
+                 "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), \
+                 "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), \
+                 "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), \
+                 "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), \
+                 "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+                 "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), \
+                 "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), \
+                 "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), \
+                 "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), \
+                 "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), \
+                 "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), \
+                 "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),   \
+                 "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), \
+                 "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), \
+                 "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), \
+                 "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])  \
+               : "l"(a), "l"(b), "n"(int(ScaleD)))
+// S (+)= Q K^T over 16 dims: A and B K-major.
+template <typename T, bool ScaleD>
+__device__ __forceinline__ void wgmma_qk(float (&d)[16], uint64_t a, uint64_t b) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) KD_WGMMA_M64N32("bf16");
+  else KD_WGMMA_M64N32("f16");
+}
+// O += P V over 16 keys: P K-major, V MN-major (the transpose bit).
+template <typename T, bool ScaleD = true>
+__device__ __forceinline__ void wgmma_pv(float (&d)[128], uint64_t a, uint64_t b) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) KD_WGMMA_M64N256("bf16");
+  else KD_WGMMA_M64N256("f16");
+}
+#undef KD_WGMMA_M64N32
+#undef KD_WGMMA_M64N256
+
+#endif  // sm_90a
+
+template <typename T, typename Idx>
+__global__ void __launch_bounds__(kThreads, 1) verify_attn_sm90_kernel(const VerifyParams<T> p) {
+#ifdef KD_SM90A
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  const uint32_t s_base = smem_addr(smem);
+  const uint32_t sQ = s_base, sK = s_base + kOffK, sP = s_base + kOffP;
+  float* s_scale = reinterpret_cast<float*>(smem + kOffScale);
+  float* s_max = reinterpret_cast<float*>(smem + kOffStat);
+  float* s_sum = s_max + kRows;
+  const uint32_t bar_full = s_base + kOffBar, bar_q = bar_full + 8 * kStages;
+  int* s_tile = reinterpret_cast<int*>(smem + kOffTile);
+
+  const int tid = threadIdx.x, wg = tid / kWgThreads, lt = tid % kWgThreads;
+  const int lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  // This thread's two rows in every m64 accumulator (and P row it writes or reads).
+  const int rA = (lt >> 5) * 16 + g, rB = rA + 8;
+
+  if (tid < 32) {
+    int req, row0;
+    find_row_tile(p, blockIdx.x, lane, req, row0);
+    if (lane == 0) {
+      s_tile[0] = req;
+      s_tile[1] = row0;
+    }
+  }
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) mbar_init(bar_full + 8 * s, 2 * kWgThreads);
+    mbar_init(bar_q, kThreads);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  const int b = s_tile[0], row0 = s_tile[1];
+  if (b < 0) return;
+
+  const int q_begin = p.qo_indptr[b], nodes = p.qo_indptr[b + 1] - q_begin;
+  const int rows_b = nodes * p.heads;
+  const int kv_begin = p.kv_indptr[b], prefix = p.kv_indptr[b + 1] - kv_begin;
+  const int split = blockIdx.y;
+  // Each split takes an equal, 32-key aligned chunk of the prefix; the last adds the tree.
+  const int chunk = ((prefix + p.splits - 1) / p.splits + kKeys - 1) / kKeys * kKeys;
+  const int pre_begin = min(prefix, split * chunk), pre_end = min(prefix, pre_begin + chunk);
+  const bool has_tree = split == p.splits - 1;
+  const int pre_tiles = (pre_end - pre_begin + kKeys - 1) / kKeys;
+  const int n_tiles = pre_tiles + (has_tree ? (nodes + kKeys - 1) / kKeys : 0);
+  const bool direct = p.splits == 1;
+
+  // ---- Q: every thread copies 16-byte chunks, consecutive threads along a row ----
+  for (int i = tid; i < kRows * kChunks; i += kThreads) {
+    const int r = i / kChunks, c = i - r * kChunks, m = row0 + r;
+    const T* src = p.kv;
+    if (m < rows_b) {
+      const int node = m / p.heads, head = m - node * p.heads;
+      src = p.q + (q_begin + node) * p.q_st + head * p.q_sh + c * 8;
+    }
+    cp_async16(sQ + (c >> 3) * kQBlockBytes + r * 128 + (((c & 7) ^ (r & 7)) << 4), src, m < rows_b);
+  }
+  cp_async_arrive(bar_q);
+
+  if (wg == 0) {
+    // ================= WG0: S = Q K^T, online softmax, P =================
+    const int mA = row0 + rA, mB = row0 + rB;
+    const int nodeA = mA < rows_b ? mA / p.heads : 0, nodeB = mB < rows_b ? mB / p.heads : 0;
+    const int32_t* maskA = p.mask ? p.mask + (q_begin + nodeA) * p.mask_stride : nullptr;
+    const int32_t* maskB = p.mask ? p.mask + (q_begin + nodeB) * p.mask_stride : nullptr;
+    auto visible = [&](const int32_t* mrow, int node, int key) {
+      return mrow ? (key >> 5) < p.mask_words && ((mrow[key >> 5] >> (key & 31)) & 1) : key <= node;
+    };
+    // Running max (log2 domain) and sum of rows rA, rB; every lane of a quad holds them.
+    float maxA = -INFINITY, maxB = -INFINITY, sumA = 0.f, sumB = 0.f;
+    const uint64_t q_desc = make_desc(sQ, 16, 1024, 1);
+    const uint64_t k_desc = make_desc(sK, 16, 1024, 1);
+
+    // K-major 128-byte swizzle: a 16-dim step is +32 B inside a 64-dim block, then the next block.
+    auto issue_qk = [&](float (&acc)[16], int stage) {
+      const uint64_t kd = k_desc + ((stage * kStageBytes) >> 4);
+      wgmma_fence();
+      wgmma_qk<T, false>(acc, q_desc, kd);
+#pragma unroll
+      for (int ks = 1; ks < kDqk / 16; ++ks)
+        wgmma_qk<T, true>(acc, q_desc + (((ks >> 2) * kQBlockBytes + (ks & 3) * 32) >> 4),
+                          kd + (((ks >> 2) * kKBlockBytes + (ks & 3) * 32) >> 4));
+      wgmma_commit();
+    };
+
+    auto softmax = [&](int t, float (&s)[16]) {
+      const bool tree_tile = t >= pre_tiles;
+      const int key0 = tree_tile ? (t - pre_tiles) * kKeys : pre_begin + t * kKeys;
+      const int key_end = tree_tile ? nodes : pre_end;
+      float mxA = -INFINITY, mxB = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int key = key0 + j * 8 + t4 * 2 + e;
+          float xa = s[4 * j + e] * p.scale_log2, xb = s[4 * j + 2 + e] * p.scale_log2;
+          if (key >= key_end) xa = xb = -INFINITY;
+          if (tree_tile) {  // the ancestor mask (or the causal chain) applies to tree keys only
+            if (!visible(maskA, nodeA, key)) xa = -INFINITY;
+            if (!visible(maskB, nodeB, key)) xb = -INFINITY;
+          }
+          s[4 * j + e] = xa;
+          s[4 * j + 2 + e] = xb;
+          mxA = fmaxf(mxA, xa);
+          mxB = fmaxf(mxB, xb);
+        }
+      mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 1));
+      mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 1));
+      mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 2));
+      mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 2));
+      // -inf - -inf is NaN: a first visible max always counts as a move.
+      auto rescale = [](float& run_max, float mx) {
+        const bool moved = mx > run_max + kRescaleSlack || (run_max == -INFINITY && mx > -INFINITY);
+        const float alpha = moved ? fast_exp2(run_max - mx) : 1.f;
+        if (moved) run_max = mx;
+        return alpha;
+      };
+      const float alphaA = rescale(maxA, mxA), alphaB = rescale(maxB, mxB);
+      // A row with nothing visible yet keeps max -inf; subtract 0 then so exp gives 0.
+      const float baseA = maxA == -INFINITY ? 0.f : maxA, baseB = maxB == -INFINITY ? 0.f : maxB;
+      float lA = 0.f, lB = 0.f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          s[4 * j + e] = fast_exp2(s[4 * j + e] - baseA);
+          s[4 * j + 2 + e] = fast_exp2(s[4 * j + 2 + e] - baseB);
+          lA += s[4 * j + e];
+          lB += s[4 * j + 2 + e];
+        }
+      lA += __shfl_xor_sync(0xffffffffu, lA, 1);
+      lB += __shfl_xor_sync(0xffffffffu, lB, 1);
+      lA += __shfl_xor_sync(0xffffffffu, lA, 2);
+      lB += __shfl_xor_sync(0xffffffffu, lB, 2);
+      sumA = sumA * alphaA + lA;
+      sumB = sumB * alphaB + lB;
+
+      // P buffer t % 2 was last read by the P V of tile t - 2.
+      const int pb = t & 1;
+      if (t >= 2) named_sync(kBarPEmpty + pb);
+      // K-major, 64-byte swizzle: row r is 64 B, its 16-byte chunk j sits at j ^ ((r >> 1) & 3).
+      uint8_t* pbuf = smem + kOffP + pb * kPBytes + t4 * 4;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        *reinterpret_cast<uint32_t*>(pbuf + rA * 64 + ((j ^ ((rA >> 1) & 3)) << 4)) = pack2<T>(s[4 * j], s[4 * j + 1]);
+        *reinterpret_cast<uint32_t*>(pbuf + rB * 64 + ((j ^ ((rB >> 1) & 3)) << 4)) = pack2<T>(s[4 * j + 2], s[4 * j + 3]);
+      }
+      if (t4 == 0) {
+        s_scale[pb * kRows + rA] = alphaA;
+        s_scale[pb * kRows + rB] = alphaB;
+      }
+      fence_proxy_async();
+      named_arrive(kBarPFull + pb);
+    };
+
+    // Tile t: start the product of tile t + 1, then finish tile t while it runs. Past the end
+    // the product reads a stale stage and is dropped: every wgmma stays unconditional, which
+    // ptxas needs to keep them asynchronous.
+    auto step = [&](int t, float (&cur)[16], float (&nxt)[16]) {
+      const int u = t + 1;
+      if (u < n_tiles) mbar_wait(bar_full + 8 * (u % kStages), (u / kStages) & 1);
+      fence_proxy_async();
+      issue_qk(nxt, u % kStages);
+      wgmma_wait<1>();
+      fence_regs(cur);
+      if (t < n_tiles) softmax(t, cur);
+    };
+
+    mbar_wait(bar_q, 0);
+    if (n_tiles > 0) {
+      float s0[16], s1[16];
+      mbar_wait(bar_full, 0);
+      fence_proxy_async();
+      issue_qk(s0, 0);
+      // Two tiles per trip so S buffers swap statically; no wgmma may stay in flight across
+      // the back edge (ptxas would serialize them all).
+#pragma unroll 1
+      for (int t = 0; t < n_tiles; t += 2) {
+        step(t, s0, s1);
+        step(t + 1, s1, s0);
+        wgmma_wait<0>();
+      }
+    }
+
+    if (t4 == 0) {
+      s_max[rA] = maxA;
+      s_sum[rA] = sumA;
+      s_max[rB] = maxB;
+      s_sum[rB] = sumB;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int m = half ? mB : mA;
+        if (m >= rows_b) continue;
+        const float l = half ? sumB : sumA, mx = half ? maxB : maxA;
+        const float lse = l > 0.f ? (mx + __log2f(l)) * 0.69314718055994531f : -INFINITY;
+        const int node = m / p.heads, head = m - node * p.heads;
+        if (direct)
+          p.lse[(q_begin + node) * p.lse_st + head * p.lse_sh] = lse;
+        else
+          p.part_lse[split * p.rows_total + static_cast<int64_t>(q_begin) * p.heads + m] = lse;
+      }
+    }
+    named_arrive(kBarStats);
+  } else {
+    // ================= WG1, WG2: K gathers, O[:, 256h, +256) += P V =================
+    const int h = wg - 1;
+    const Idx* kv_indices = static_cast<const Idx*>(p.kv_indices) + kv_begin;
+    // Loader lanes: rows lr and lr + 16 of a tile, chunk lc of each of this warpgroup's blocks.
+    const int lr = lt >> 3, lc = lt & 7;
+    const uint32_t ld_off = lr * 128 + ((lc ^ (lr & 7)) << 4);  // (lr + 16) & 7 == lr & 7
+    auto slot_of = [&](int u, int r) -> Idx {  // -1: not a prefix key of this split
+      const int pos = pre_begin + u * kKeys + r;
+      return u < pre_tiles && pos < pre_end ? __ldg(kv_indices + pos) : Idx(-1);
+    };
+    auto row_src = [&](int u, int r, Idx slot) -> const T* {
+      if (u < pre_tiles) return slot >= 0 ? p.kv + static_cast<int64_t>(slot) * p.kv_stride : nullptr;
+      const int key = (u - pre_tiles) * kKeys + r;
+      return key < nodes ? p.tree_k + static_cast<int64_t>(q_begin + key) * p.tk_stride : nullptr;
+    };
+    auto load_tile = [&](int u, Idx slot0, Idx slot1) {
+      const uint32_t dst = sK + (u % kStages) * kStageBytes + ld_off;
+      const T* src0 = row_src(u, lr, slot0);
+      const T* src1 = row_src(u, lr + 16, slot1);
+      auto copy_block = [&](int cb) {
+        cp_async16(dst + cb * kKBlockBytes, src0 ? src0 + cb * 64 + lc * 8 : p.kv, src0 != nullptr);
+        cp_async16(dst + cb * kKBlockBytes + 16 * 128, src1 ? src1 + cb * 64 + lc * 8 : p.kv, src1 != nullptr);
+      };
+#pragma unroll
+      for (int i = 0; i < 4; ++i) copy_block(h * 4 + i);
+      if (h == 0) copy_block(kColBlocks - 1);
+      cp_async_arrive(bar_full + 8 * (u % kStages));
+    };
+
+    for (int u = 0; u < kStages && u < n_tiles; ++u) load_tile(u, slot_of(u, lr), slot_of(u, lr + 16));
+
+    float o[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) o[i] = 0.f;
+    const uint64_t p_desc = make_desc(sP, 16, 512, 2);
+    // V = the K stage read MN-major: 64-dim blocks kKBlockBytes apart, 8-key groups 1 KB apart.
+    const uint64_t v_desc = make_desc(sK + h * 4 * kKBlockBytes, kKBlockBytes, 1024, 1);
+#pragma unroll 1
+    for (int t = 0; t < n_tiles; ++t) {
+      const int u = t + kStages;
+      const Idx next0 = slot_of(u, lr), next1 = slot_of(u, lr + 16);  // loads in flight meanwhile
+      const int pb = t & 1;
+      named_sync(kBarPFull + pb);
+      const float aA = s_scale[pb * kRows + rA], aB = s_scale[pb * kRows + rB];
+      if (aA != 1.f || aB != 1.f) {
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          o[4 * j] *= aA;
+          o[4 * j + 1] *= aA;
+          o[4 * j + 2] *= aB;
+          o[4 * j + 3] *= aB;
+        }
+      }
+      const uint64_t vd = v_desc + (((t % kStages) * kStageBytes) >> 4);
+      const uint64_t pd = p_desc + ((pb * kPBytes) >> 4);
+      wgmma_fence();
+      wgmma_pv<T>(o, pd, vd);
+      wgmma_pv<T>(o, pd + (32 >> 4), vd + ((16 * 128) >> 4));
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(o);
+      if (t + 2 < n_tiles) named_arrive(kBarPEmpty + pb);
+      if (u < n_tiles) load_tile(u, next0, next1);
+    }
+
+    named_sync(kBarStats);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = half ? rB : rA, m = row0 + r;
+      if (m >= rows_b) continue;
+      const float l = s_sum[r];
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const int node = m / p.heads, head = m - node * p.heads;
+      if (direct) {
+        T* dst = p.out + (q_begin + node) * p.out_st + head * p.out_sh + h * 256 + t4 * 2;
+#pragma unroll
+        for (int j = 0; j < 32; ++j)
+          *reinterpret_cast<uint32_t*>(dst + j * 8) = pack2<T>(o[4 * j + 2 * half] * inv, o[4 * j + 2 * half + 1] * inv);
+      } else {
+        const int64_t grow = static_cast<int64_t>(q_begin) * p.heads + m;
+        float* dst = p.part_o + (split * p.rows_total + grow) * kDv + h * 256 + t4 * 2;
+#pragma unroll
+        for (int j = 0; j < 32; ++j)
+          *reinterpret_cast<float2*>(dst + j * 8) = make_float2(o[4 * j + 2 * half] * inv, o[4 * j + 2 * half + 1] * inv);
+      }
+    }
+  }
+#else
+  __trap();
+#endif
+}
+
+// Whether the current device runs verify_attn_sm90_kernel: an sm_90 GPU, and code built for
+// sm_90a (kdtree_ops builds 9.0 as sm_90a) rather than JIT-compiled from older PTX, which
+// would hold only the trap. KDTREE_VERIFY_WGMMA=0 opts out, read per call so tests can cover
+// the portable kernel on the same GPU.
+bool sm90_ready() {
+  if (const char* env = std::getenv("KDTREE_VERIFY_WGMMA"); env && std::strcmp(env, "0") == 0) return false;
+  int dev = 0, major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  if (major != 9 || minor != 0) return false;
+  static const bool built = [] {
+    cudaFuncAttributes a{};
+    if (cudaFuncGetAttributes(&a, verify_attn_sm90_kernel<__nv_bfloat16, int32_t>) != cudaSuccess) {
+      (void)cudaGetLastError();  // no image for this device: not an error of the caller's
+      return false;
+    }
+    return a.binaryVersion == 90 && a.ptxVersion >= 90;
+  }();
+  return built;
+}
+
+}  // namespace
+
+template <typename T>
+bool launch_verify_attn_sm90(const VerifyParams<T>& p, bool idx32, dim3 grid, cudaStream_t stream) {
+  if (!sm90_ready()) return false;
+  auto kernel = idx32 ? verify_attn_sm90_kernel<T, int32_t> : verify_attn_sm90_kernel<T, int64_t>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return true;
+}
+
+template bool launch_verify_attn_sm90<__nv_bfloat16>(const VerifyParams<__nv_bfloat16>&, bool, dim3, cudaStream_t);
+template bool launch_verify_attn_sm90<__half>(const VerifyParams<__half>&, bool, dim3, cudaStream_t);
+
+}  // namespace kdtree
