@@ -209,6 +209,7 @@ __device__ int build_warp(const float* lpt, int lps, int L, int keff, int budget
 
 constexpr int kMaxSlots = 8192, kMaxCandidates = 4096, kReplayMaxBudget = 32;
 static_assert(kMaxCandidates <= 8 * kBuildThreads, "block_sort holds 8 keys per thread");
+static_assert(kMaxCandidates <= (1 << 19) && kMaxSlots <= (1 << 13), "cand_key's fields");
 constexpr uint16_t kNoSlot = 0xFFFFu;
 constexpr int kParentsPerThread = kMaxBudget / kBuildThreads;
 
@@ -218,6 +219,14 @@ __device__ __forceinline__ uint32_t pack_slot(uint32_t parent, uint32_t rank, ui
 __device__ __forceinline__ uint32_t slot_parent(uint32_t id) { return id & 0x1FFFu; }
 __device__ __forceinline__ uint32_t slot_rank(uint32_t id) { return (id >> 13) & 0x3FFu; }
 __device__ __forceinline__ uint32_t slot_depth(uint32_t id) { return id >> 23; }
+
+// A candidate's sort key: score key, then ordinal (rank-tuple order within its depth); its
+// parent slot rides in the low bits so the merge's searches need no second lookup.
+__device__ __forceinline__ uint64_t cand_key(uint32_t score_key, uint32_t ordinal, uint32_t parent) {
+  return static_cast<uint64_t>(score_key) << 32 | ordinal << 13 | parent;
+}
+__device__ __forceinline__ uint32_t cand_ordinal(uint64_t k) { return static_cast<uint32_t>(k) >> 13; }
+__device__ __forceinline__ uint32_t cand_parent(uint64_t k) { return static_cast<uint32_t>(k) & 0x1FFFu; }
 
 // Shared-memory layout of the parallel path; the host sizes the launch with the same function.
 struct LevelLayout {
@@ -388,7 +397,7 @@ __device__ __forceinline__ int children_at_least(const float* lprow, int lo, int
 }
 
 struct LevelState {
-  uint64_t* ckey;      // candidates sorted by (score key, ordinal)
+  uint64_t* ckey;      // candidates' cand_key, sorted
   uint32_t* cid;       // [ordinal] candidate id
   float* t_score;      // [slot]
   uint32_t* t_id;      // [slot]
@@ -422,11 +431,9 @@ __device__ int build_levels(const float* g_lp, int K, int L, int keff, int budge
   const int tid = threadIdx.x, nt = blockDim.x;
   // The depth-wise argument needs each depth's log-probs sorted and <= 0 (children never beat
   // their parent); for anything else the heap still defines a tree, so it is replayed. A depth
-  // is checked as it is loaded: depths below the last one built cannot matter to the heap
+  // is checked before it is used: depths below the last one built cannot matter to the heap
   // either, since it pops `budget` nodes before any of their parents.
-  auto out_of_order = [&](int d, int r, float v) {
-    return !(v <= 0.f) || (r > 0 && v > g_lp[static_cast<int64_t>(d) * K + r - 1]);
-  };
+  auto out_of_order = [](int r, float v, float before) { return !(v <= 0.f) || (r > 0 && v > before); };
   bool unsorted = false;
   if (tid == 0) {
     st.t_score[0] = 0.f;
@@ -437,19 +444,20 @@ __device__ int build_levels(const float* g_lp, int K, int L, int keff, int budge
   }
   for (int r = tid; r < keff; r += nt) {
     st.lprow[r] = g_lp[r];
-    unsorted |= out_of_order(0, r, g_lp[r]);
+    unsorted |= out_of_order(r, g_lp[r], r > 0 ? g_lp[r - 1] : 0.f);
   }
   int m = 0, cur = 0, slots = 1, parents = 1;
   for (int d = 0; d < L; ++d) {
     if (__syncthreads_or(unsorted)) return 0;
     const float* lprow = st.lprow + (d & 1) * keff;
-    // The next depth's log-probs are loaded now and stored at the end of this one.
-    float next[kParentsPerThread];
+    // The next depth's log-probs are loaded now, checked and stored at the end of this one.
+    float next[kParentsPerThread], before[kParentsPerThread];
 #pragma unroll
     for (int j = 0; j < kParentsPerThread; ++j) {
       const int r = tid + j * kBuildThreads;
-      next[j] = d + 1 < L && r < keff ? g_lp[static_cast<int64_t>(d + 1) * K + r] : 0.f;
-      if (d + 1 < L && r < keff) unsorted |= out_of_order(d + 1, r, next[j]);
+      const float* row = g_lp + static_cast<int64_t>(d + 1) * K;
+      next[j] = d + 1 < L && r < keff ? row[r] : 0.f;
+      before[j] = d + 1 < L && r < keff && r > 0 ? row[r - 1] : 0.f;
     }
     const uint16_t* sel = st.sel_slot + cur * budget;
     const uint32_t* selk = st.sel_key + cur * budget;
@@ -534,7 +542,7 @@ __device__ int build_levels(const float* g_lp, int K, int L, int keff, int budge
       }
       const uint32_t ps = st.par_slot[a], r = g - st.par_off[a];
       const float sc = __fadd_rn(st.t_score[ps], lprow[r]);
-      st.ckey[g] = static_cast<uint64_t>(score_key(sc)) << 32 | static_cast<uint32_t>(g);
+      st.ckey[g] = cand_key(score_key(sc), g, ps);
       st.cid[g] = pack_slot(ps, r, d + 1);
     }
     if (tid == 0) s_kept = 0;
@@ -551,8 +559,7 @@ __device__ int build_levels(const float* g_lp, int K, int L, int keff, int budge
       while (a < b) {
         const int mid = (a + b) >> 1;
         const uint64_t k = st.ckey[mid];
-        const uint32_t cp = slot_parent(st.cid[static_cast<uint32_t>(k)]);
-        if (!entry_before(st, x, xk, static_cast<uint32_t>(k >> 32), cp, dc)) a = mid + 1;
+        if (!entry_before(st, x, xk, static_cast<uint32_t>(k >> 32), cand_parent(k), dc)) a = mid + 1;
         else b = mid;
       }
       const int pos = i + a;
@@ -563,8 +570,7 @@ __device__ int build_levels(const float* g_lp, int K, int L, int keff, int budge
     }
     for (int j = tid; j < nc; j += nt) {
       const uint64_t k = st.ckey[j];
-      const uint32_t g = static_cast<uint32_t>(k), ck = static_cast<uint32_t>(k >> 32);
-      const uint32_t id = st.cid[g], cp = slot_parent(id);
+      const uint32_t g = cand_ordinal(k), ck = static_cast<uint32_t>(k >> 32), cp = cand_parent(k);
       int a = 0, b = m;  // entries of S before the candidate
       while (a < b) {
         const int mid = (a + b) >> 1;
@@ -582,7 +588,7 @@ __device__ int build_levels(const float* g_lp, int K, int L, int keff, int budge
           sel2[pos] = slot;
           selk2[pos] = ck;
           st.t_score[slot] = key_score(ck);
-          st.t_id[slot] = id;
+          st.t_id[slot] = st.cid[g];
           st.t_ord[slot] = static_cast<uint16_t>(g);
           atomicMax(&s_kept, j + 1);
         }
@@ -606,7 +612,10 @@ __device__ int build_levels(const float* g_lp, int K, int L, int keff, int budge
 #pragma unroll
     for (int j = 0; j < kParentsPerThread; ++j) {
       const int r = tid + j * kBuildThreads;
-      if (d + 1 < L && r < keff) st.lprow[((d + 1) & 1) * keff + r] = next[j];
+      if (d + 1 < L && r < keff) {
+        st.lprow[((d + 1) & 1) * keff + r] = next[j];
+        unsorted |= out_of_order(r, next[j], before[j]);
+      }
     }
     if (parents == 0) break;  // nothing deeper can enter S
   }
