@@ -207,7 +207,7 @@ __device__ int build_warp(const float* lpt, int lps, int L, int keff, int budget
 // which were generated in rank-tuple order, so equal scores compare by ordinal after climbing
 // to a common depth.
 
-constexpr int kMaxSlots = 8192, kMaxCandidates = 4096, kReplayMaxBudget = 32;
+constexpr int kMaxSlots = 8192, kMaxCandidates = 4096, kReplayMaxBudget = 64;
 static_assert(kMaxCandidates <= 8 * kBuildThreads, "block_sort holds 8 keys per thread");
 static_assert(kMaxCandidates <= (1 << 19) && kMaxSlots <= (1 << 13), "cand_key's fields");
 constexpr uint16_t kNoSlot = 0xFFFFu;
@@ -829,8 +829,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> build_tre
   // The parallel path needs room for a depth's candidates (about the budget once the bar is
   // raised) and N table slots; more room only lets deeper or bushier trees avoid the replay.
   a.cand_cap = a.slot_cap = 0;
-  // Small budgets replay faster than the depth-wise build's fixed cost of a few barriers per
-  // depth (H200: 6 us vs 15 us at budget 16, 26 us vs 18 us at 64).
+  // Small budgets replay faster than the depth-wise build, which pays about 10 us per depth
+  // (H200, 8 requests: 6 us vs 15 us at budget 16; at 64, 26 us vs 17 us for a 3-deep tree
+  // but 54 us vs 128 us for a 15-deep one).
   const bool depthwise = a.budget > kReplayMaxBudget;
   for (int cand = kMaxCandidates; depthwise && !a.cand_cap && cand >= a.budget && cand >= a.keff; cand /= 2) {
     for (int slot = kMaxSlots; slot >= cand && slot > a.budget; slot /= 2) {
