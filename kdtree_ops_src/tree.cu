@@ -14,7 +14,11 @@ constexpr uint32_t kEmpty = 0xFFFFFFFFu;  // the key of no candidate: it is the 
 
 // ---- build_tree ----------------------------------------------------------------------------
 //
-// The build replays the heap of the CPU reference exactly, one pop per step, in one warp: the
+// Two builds with identical results: the depth-wise one below (build_levels) for budgets over
+// 64, and a replay of the CPU reference's heap for small budgets and whatever the depth-wise
+// build declines.
+//
+// The replay runs the heap exactly, one pop per step, in one warp: the
 // candidate set is spread over the warp's registers (lane = allocation % 32), each lane caches
 // its own best, and a pop is a warp min-reduction over those. Candidates compare by a 32-bit key
 // (score descending, float32 order); equal keys fall back to comparing rank tuples through the
