@@ -102,16 +102,9 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
   const int b = s_req, row0 = s_row0;
   if (b < 0) return;
 
-  const int q_begin = p.qo_indptr[b], nodes = p.qo_indptr[b + 1] - q_begin;
-  const int rows_b = nodes * p.heads;
-  const int kv_begin = p.kv_indptr[b], prefix = p.kv_indptr[b + 1] - kv_begin;
   const int split = blockIdx.y;
-  // Each split takes an equal, 32-key aligned chunk of the prefix; the last adds the tree.
-  const int chunk = ((prefix + p.splits - 1) / p.splits + kKeys - 1) / kKeys * kKeys;
-  const int pre_begin = min(prefix, split * chunk), pre_end = min(prefix, pre_begin + chunk);
-  const bool has_tree = split == p.splits - 1;
-  const int pre_tiles = (pre_end - pre_begin + kKeys - 1) / kKeys;
-  const int n_tiles = pre_tiles + (has_tree ? (nodes + kKeys - 1) / kKeys : 0);
+  const auto [q_begin, nodes, rows_b, kv_begin, prefix, pre_begin, pre_end, has_tree, pre_tiles,
+              n_tiles] = cta_span(p, b, split);
   const Idx* kv_indices = static_cast<const Idx*>(p.kv_indices) + kv_begin;
 
   // Warp w copies rows [w * n, w * n + n) of a tile: 72 16-byte chunks per row over 32 lanes,
