@@ -2,7 +2,8 @@
 // verify_attn.cu's kernel, which stays the path for every other GPU (sm_120 has no wgmma).
 //
 // CTA = 3 warpgroups over the same 64 (node, head) rows:
-//  - WG0 computes S = Q K^T for a 32-key tile (wgmma m64n32k16, Q and K from shared memory),
+//  - WG0 computes S = Q K^T for a 32-key tile (wgmma m64n32k16, K from shared memory; Q's
+//    first 384 dims from registers, loaded once, the rest from shared memory),
 //    runs the online softmax and hands P and each row's rescale factor to the other two through
 //    shared memory. S is double buffered: the next tile's product runs on the tensor cores
 //    while this tile's softmax runs on the ALUs.
@@ -44,6 +45,10 @@ static_assert(kSmemBytes <= 227 * 1024, "must fit sm_90's 227 KB per block");
 #define KD_SM90A 1
 
 constexpr int kChunks = kDqk / 8;  // 16-byte chunks per row
+// Q K^T steps (16 dims each, of 36) whose Q operand WG0 keeps in registers, 4 per step: 24 is
+// the most that fits the 168-register budget without spills; the last 12 read Q from shared
+// memory. (ptxas allocates one budget for all warpgroups, so setmaxnreg would not help.)
+constexpr int kQRegSteps = 24;
 // Named barriers (0 is __syncthreads): P buffer b full (+b), P buffer b empty (+b), row stats.
 constexpr int kBarPFull = 1, kBarPEmpty = 3, kBarStats = 5;
 
@@ -137,11 +142,27 @@ __device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint3
                  "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), \
                  "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])  \
                : "l"(a), "l"(b), "n"(int(ScaleD)))
+#define KD_WGMMA_M64N32_RS(TY)                                                                       \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                          \
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " "                           \
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15},"             \
+               "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"                                         \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
+                 "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
+                 "+f"(d[14]), "+f"(d[15])                                                            \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(int(ScaleD)))
 // S (+)= Q K^T over 16 dims: A and B K-major.
 template <typename T, bool ScaleD>
 __device__ __forceinline__ void wgmma_qk(float (&d)[16], uint64_t a, uint64_t b) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) KD_WGMMA_M64N32("bf16");
   else KD_WGMMA_M64N32("f16");
+}
+// The same with Q's 16 dims from registers (mma m16n8k16 A-fragment layout per warp): only
+// K is read from shared memory.
+template <typename T, bool ScaleD>
+__device__ __forceinline__ void wgmma_qk_rs(float (&d)[16], const uint32_t (&a)[4], uint64_t b) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) KD_WGMMA_M64N32_RS("bf16");
+  else KD_WGMMA_M64N32_RS("f16");
 }
 // O += P V over 16 keys: P K-major, V MN-major (the transpose bit).
 template <typename T, bool ScaleD = true>
@@ -150,6 +171,7 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[128], uint64_t a, uint64_t b
   else KD_WGMMA_M64N256("f16");
 }
 #undef KD_WGMMA_M64N32
+#undef KD_WGMMA_M64N32_RS
 #undef KD_WGMMA_M64N256
 
 #endif  // sm_90a
@@ -221,14 +243,22 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_sm90_kernel(const Ver
     const uint64_t k_desc = make_desc(sK, 16, 1024, 1);
 
     // K-major 128-byte swizzle: a 16-dim step is +32 B inside a 64-dim block, then the next block.
+    uint32_t q_reg[kQRegSteps][4];
     auto issue_qk = [&](float (&acc)[16], int stage) {
       const uint64_t kd = k_desc + ((stage * kStageBytes) >> 4);
       wgmma_fence();
-      wgmma_qk<T, false>(acc, q_desc, kd);
 #pragma unroll
-      for (int ks = 1; ks < kDqk / 16; ++ks)
-        wgmma_qk<T, true>(acc, q_desc + (((ks >> 2) * kQBlockBytes + (ks & 3) * 32) >> 4),
-                          kd + (((ks >> 2) * kKBlockBytes + (ks & 3) * 32) >> 4));
+      for (int ks = 0; ks < kDqk / 16; ++ks) {
+        const uint64_t kd_ks = kd + (((ks >> 2) * kKBlockBytes + (ks & 3) * 32) >> 4);
+        if (ks < kQRegSteps) {
+          if (ks == 0) wgmma_qk_rs<T, false>(acc, q_reg[0], kd_ks);
+          else wgmma_qk_rs<T, true>(acc, q_reg[ks], kd_ks);
+        } else {
+          const uint64_t qd = q_desc + (((ks >> 2) * kQBlockBytes + (ks & 3) * 32) >> 4);
+          if (ks == 0) wgmma_qk<T, false>(acc, qd, kd_ks);
+          else wgmma_qk<T, true>(acc, qd, kd_ks);
+        }
+      }
       wgmma_commit();
     };
 
@@ -316,6 +346,19 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_sm90_kernel(const Ver
     };
 
     mbar_wait(bar_q, 0);
+    // Q's first kQRegSteps 16-dim steps into registers: K^T is then the only operand Q K^T
+    // streams from shared memory there (an m64n32 step reads 2 KB of Q to 1 KB of K).
+    {
+      const int mi = lane >> 3, row = (lt >> 5) * 16 + (lane & 7) + (mi & 1) * 8;
+#pragma unroll
+      for (int ks = 0; ks < kQRegSteps; ++ks) {
+        const int chunk = (ks & 3) * 2 + (mi >> 1);
+        const uint32_t addr = sQ + (ks >> 2) * kQBlockBytes + row * 128 + ((chunk ^ (row & 7)) << 4);
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(q_reg[ks][0]), "=r"(q_reg[ks][1]), "=r"(q_reg[ks][2]), "=r"(q_reg[ks][3])
+                     : "r"(addr));
+      }
+    }
     if (n_tiles > 0) {
       float s0[16], s1[16];
       mbar_wait(bar_full, 0);
