@@ -120,6 +120,17 @@ template <> __device__ inline __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
 }
 template <> __device__ inline __half from_float<__half>(float x) { return __float2half_rn(x); }
 
+// Inclusive prefix sum over the 32 lanes of a full warp (lane i gets lanes 0..i).
+template <typename T> __device__ __forceinline__ T warp_inclusive_scan(T x) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const T y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  return x;
+}
+
 // Calls f with a value of the CUDA element type matching `dtype` (fp32, bf16, fp16).
 template <typename F> void dispatch_float(at::ScalarType dtype, const char* name, F&& f) {
   switch (dtype) {

@@ -262,22 +262,12 @@ template <typename T> __device__ __forceinline__ T* at_offset(unsigned char* bas
 // Exclusive prefix sum of one value per thread, in thread order; all threads must call it.
 __device__ int block_exclusive_scan(int v, int* s_scan, int& total) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  int x = v;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(kFull, x, o);
-    if (lane >= o) x += y;
-  }
+  const int x = warp_inclusive_scan(v);
   if (lane == 31) s_scan[warp] = x;
   __syncthreads();
   if (warp == 0) {
     const int t = lane < warps ? s_scan[lane] : 0;
-    int w = t;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(kFull, w, o);
-      if (lane >= o) w += y;
-    }
+    const int w = warp_inclusive_scan(t);
     if (lane < warps) s_scan[lane] = w - t;
     if (lane == 31) s_scan[32] = w;
   }
@@ -288,23 +278,15 @@ __device__ int block_exclusive_scan(int v, int* s_scan, int& total) {
   return r;
 }
 
-__device__ int block_sum(int v, int* s_scan) {
+// Sum or max (Max) of one value per thread over the CTA; all threads must call it.
+template <bool Max, typename T> __device__ T block_reduce(T v, int* s_scan) {
+  static_assert(sizeof(T) == sizeof(int));
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  v = __reduce_add_sync(kFull, v);
-  if (lane == 0) s_scan[warp] = v;
-  __syncthreads();
-  const int t = __reduce_add_sync(kFull, lane < static_cast<int>(blockDim.x >> 5) ? s_scan[lane] : 0);
-  __syncthreads();
-  return t;
-}
-
-__device__ uint32_t block_max(uint32_t v, int* s_scan) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  v = __reduce_max_sync(kFull, v);
+  auto warp_reduce = [](T x) { return Max ? __reduce_max_sync(kFull, x) : __reduce_add_sync(kFull, x); };
+  v = warp_reduce(v);
   if (lane == 0) s_scan[warp] = static_cast<int>(v);
   __syncthreads();
-  const uint32_t t = __reduce_max_sync(
-      kFull, lane < static_cast<int>(blockDim.x >> 5) ? static_cast<uint32_t>(s_scan[lane]) : 0u);
+  const T t = warp_reduce(lane < static_cast<int>(blockDim.x >> 5) ? static_cast<T>(s_scan[lane]) : T{0});
   __syncthreads();
   return t;
 }
@@ -481,7 +463,7 @@ __device__ int build_levels(const float* g_lp, int K, int L, int keff, int budge
       hi[j] = !own ? 0 : full ? children_at_least(lprow, 0, keff, sp[j], tau) : keff;
       mine += hi[j];
     }
-    int nc = block_sum(mine, s_scan);
+    int nc = block_reduce<false>(mine, s_scan);
     if (nc > budget) {
       // Bisection for the smallest score key kb such that S and the candidates hold at least
       // `budget` entries with key <= kb: everything worse can never enter S.
@@ -492,7 +474,7 @@ __device__ int build_levels(const float* g_lp, int K, int L, int keff, int budge
         for (int j = 0; j < kParentsPerThread; ++j) {
           if (hi[j] > 0) worst = max(worst, score_key(__fadd_rn(sp[j], lprow[keff - 1])));
         }
-        khi = block_max(worst, s_scan);
+        khi = block_reduce<true>(worst, s_scan);
       }
       uint32_t klo = selk[0];
       while (klo < khi && nc > budget) {
@@ -510,7 +492,7 @@ __device__ int build_levels(const float* g_lp, int K, int L, int keff, int budge
           if (selk[q] <= mid) in_s = q + 1;
           else top = q;
         }
-        const int total = block_sum(sum, s_scan);
+        const int total = block_reduce<false>(sum, s_scan);
         const bool enough = total + in_s >= budget;
 #pragma unroll
         for (int j = 0; j < kParentsPerThread; ++j) (enough ? hi[j] : lo[j]) = cnt[j];
@@ -981,12 +963,7 @@ __global__ void mask_indptr_kernel(const I* __restrict__ prefix_lens, int B, int
     const int b = base + lane;
     const int64_t prefix = b < B ? max(static_cast<int64_t>(prefix_lens[b]), int64_t{0}) : 0;
     const int64_t size = b < B ? N * (prefix + N) : 0;
-    int64_t incl = size;
-#pragma unroll
-    for (int o = 1; o < 32; o *= 2) {
-      const int64_t up = __shfl_up_sync(kFull, incl, o);
-      if (lane >= o) incl += up;
-    }
+    const int64_t incl = warp_inclusive_scan(size);
     if (b < B) mask_indptr[b] = carry + incl - size;
     carry += __shfl_sync(kFull, incl, 31);
   }

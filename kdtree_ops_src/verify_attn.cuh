@@ -80,12 +80,7 @@ __device__ __forceinline__ void find_row_tile(const VerifyParams<T>& p, int tile
     int n = 0;
     if (b < p.batch) n = (p.qo_indptr[b + 1] - p.qo_indptr[b]) * p.heads;
     const int cnt = (n + kRows - 1) / kRows;
-    int incl = cnt;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, incl, off);
-      if (lane >= off) incl += y;
-    }
+    const int incl = warp_inclusive_scan(cnt);
     const int excl = base + incl - cnt;
     const bool mine = b < p.batch && tile >= excl && tile < excl + cnt;
     const unsigned who = __ballot_sync(0xffffffffu, mine);
