@@ -100,15 +100,24 @@ __device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint3
          static_cast<uint64_t>(sbo >> 4) << 32 | static_cast<uint64_t>(swizzle) << 62;
 }
 
+// m64n32 accumulators: 16 per thread, operands %0-%15.
+#define KD_ACC16_ASM "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15},"
+#define KD_ACC16                                                                                     \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),    \
+      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
 #define KD_WGMMA_M64N32(TY)                                                                          \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                          \
-               "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " "                           \
-               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15},"             \
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " " KD_ACC16_ASM              \
                "%16, %17, p, 1, 1, 0, 0;\n}\n"                                                       \
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
-                 "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
-                 "+f"(d[14]), "+f"(d[15])                                                            \
+               : KD_ACC16                                                                            \
                : "l"(a), "l"(b), "n"(int(ScaleD)))
+// A from registers: the four 32-bit A fragments, then B's descriptor.
+#define KD_WGMMA_M64N32_RS(TY)                                                                       \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                          \
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " " KD_ACC16_ASM              \
+               "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"                                         \
+               : KD_ACC16                                                                            \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(int(ScaleD)))
 
 #define KD_WGMMA_M64N256(TY)                                                                         \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                         \
@@ -142,15 +151,6 @@ __device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint3
                  "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), \
                  "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])  \
                : "l"(a), "l"(b), "n"(int(ScaleD)))
-#define KD_WGMMA_M64N32_RS(TY)                                                                       \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                          \
-               "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " "                           \
-               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15},"             \
-               "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"                                         \
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
-                 "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
-                 "+f"(d[14]), "+f"(d[15])                                                            \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(int(ScaleD)))
 // S (+)= Q K^T over 16 dims: A and B K-major.
 template <typename T, bool ScaleD>
 __device__ __forceinline__ void wgmma_qk(float (&d)[16], uint64_t a, uint64_t b) {
@@ -172,6 +172,8 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[128], uint64_t a, uint64_t b
 }
 #undef KD_WGMMA_M64N32
 #undef KD_WGMMA_M64N32_RS
+#undef KD_ACC16
+#undef KD_ACC16_ASM
 #undef KD_WGMMA_M64N256
 
 #endif  // sm_90a
