@@ -370,7 +370,11 @@ def test_verify_attn_out_writes_strided_buffer():
 
 
 @needs_gpu
-def test_verify_attn_cuda_graph():
+@pytest.mark.parametrize("wgmma", ["1", "0"])
+def test_verify_attn_cuda_graph(monkeypatch, wgmma):
+    """Capture and replay with fresh inputs; on sm_90 both the wgmma and (with
+    KDTREE_VERIFY_WGMMA=0) the portable kernel, since the kernel is chosen at capture."""
+    monkeypatch.setenv("KDTREE_VERIFY_WGMMA", wgmma)
     shape = ([1500, 40], [9, 13], 16)
 
     def fresh():
