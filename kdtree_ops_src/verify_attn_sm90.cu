@@ -100,11 +100,14 @@ __device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint3
          static_cast<uint64_t>(sbo >> 4) << 32 | static_cast<uint64_t>(swizzle) << 62;
 }
 
-// m64n32 accumulators: 16 per thread, operands %0-%15.
+// Accumulator operands: KD_ACC8(i) binds d[i .. i+7]; the asm strings name them %0 onwards.
+#define KD_ACC8(i)                                                                                   \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]),        \
+      "+f"(d[i + 6]), "+f"(d[i + 7])
+#define KD_ACC16 KD_ACC8(0), KD_ACC8(8)
+#define KD_ACC64(i) KD_ACC8(i), KD_ACC8(i + 8), KD_ACC8(i + 16), KD_ACC8(i + 24), KD_ACC8(i + 32),  \
+      KD_ACC8(i + 40), KD_ACC8(i + 48), KD_ACC8(i + 56)
 #define KD_ACC16_ASM "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15},"
-#define KD_ACC16                                                                                     \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),    \
-      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
 #define KD_WGMMA_M64N32(TY)                                                                          \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                          \
                "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " " KD_ACC16_ASM              \
@@ -131,25 +134,7 @@ __device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint3
                "%104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117," \
                "%118, %119, %120, %121, %122, %123, %124, %125, %126, %127},"                        \
                "%128, %129, p, 1, 1, 0, 1;\n}\n"                                                     \
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
-                 "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
-                 "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \
-                 "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), \
-                 "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), \
-                 "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), \
-                 "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), \
-                 "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-                 "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), \
-                 "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), \
-                 "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), \
-                 "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), \
-                 "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), \
-                 "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), \
-                 "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),   \
-                 "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), \
-                 "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), \
-                 "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), \
-                 "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])  \
+               : KD_ACC64(0), KD_ACC64(64)                                                           \
                : "l"(a), "l"(b), "n"(int(ScaleD)))
 // S (+)= Q K^T over 16 dims: A and B K-major.
 template <typename T, bool ScaleD>
@@ -172,7 +157,9 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[128], uint64_t a, uint64_t b
 }
 #undef KD_WGMMA_M64N32
 #undef KD_WGMMA_M64N32_RS
+#undef KD_ACC8
 #undef KD_ACC16
+#undef KD_ACC64
 #undef KD_ACC16_ASM
 #undef KD_WGMMA_M64N256
 
