@@ -26,14 +26,20 @@ if __name__ == "__main__":  # `python -m kdtree_ops`: run the real module once, 
 
     sys.exit(kdtree_ops.main())
 
+import argparse
 import fcntl
 import hashlib
+import heapq
+import itertools
 import math
 import os
 import shutil
+import statistics
+import struct
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 from typing import NamedTuple, Optional, Sequence
 
@@ -650,9 +656,6 @@ def sglang_mask_to_packed(
 # ---- tree ops ----
 # DDTree (DESIGN.md §4): draft top-k, best-first tree build, verify metadata, accept walk.
 
-import heapq  # noqa: E402
-import struct  # noqa: E402
-
 MAX_TREE_BUDGET = 1024  # nodes per tree besides the root; N = budget + 1 <= 1025
 MAX_TREE_DEPTH = 31  # draft positions L
 
@@ -1195,11 +1198,6 @@ def move_kv(
     torch.ops.kdtree.move_kv(list(kv_layers), src_slots, dst_slots, disjoint=disjoint)
 
 # ---- main job: python -m kdtree_ops ----
-
-import argparse  # noqa: E402
-import itertools  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
 
 
 def _selfcheck_cases(device: str):
