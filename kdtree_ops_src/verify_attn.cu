@@ -103,8 +103,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
   if (b < 0) return;
 
   const int split = blockIdx.y;
-  const auto [q_begin, nodes, rows_b, kv_begin, prefix, pre_begin, pre_end, has_tree, pre_tiles,
-              n_tiles] = cta_span(p, b, split);
+  const auto [q_begin, nodes, rows_b, kv_begin, pre_begin, pre_end, pre_tiles, n_tiles] = cta_span(p, b, split);
   const Idx* kv_indices = static_cast<const Idx*>(p.kv_indices) + kv_begin;
 
   // Warp w copies rows [w * n, w * n + n) of a tile: 72 16-byte chunks per row over 32 lanes,

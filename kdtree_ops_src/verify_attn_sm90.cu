@@ -201,8 +201,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_sm90_kernel(const Ver
   if (b < 0) return;
 
   const int split = blockIdx.y;
-  const auto [q_begin, nodes, rows_b, kv_begin, prefix, pre_begin, pre_end, has_tree, pre_tiles,
-              n_tiles] = cta_span(p, b, split);
+  const auto [q_begin, nodes, rows_b, kv_begin, pre_begin, pre_end, pre_tiles, n_tiles] = cta_span(p, b, split);
   const bool direct = p.splits == 1;
 
   // ---- Q: every thread copies 16-byte chunks, consecutive threads along a row ----
