@@ -28,6 +28,7 @@ if __name__ == "__main__":  # `python -m kdtree_ops`: run the real module once, 
 
 import argparse
 import fcntl
+import functools
 import hashlib
 import heapq
 import itertools
@@ -39,6 +40,7 @@ import struct
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 from pathlib import Path
 from typing import NamedTuple, Optional, Sequence
@@ -259,20 +261,63 @@ def build(arch: Optional[Sequence[str]] = None, verbose: Optional[bool] = None) 
     return lib_path
 
 
-_CUDA_LOADED = False
+_LOAD_LOCK = threading.RLock()
+_LOADED = False
+_LOAD_ERROR: Optional[BaseException] = None
 
 
-def _load_cuda() -> None:
-    global _CUDA_LOADED
-    if _env_flag("KDTREE_NO_BUILD") or not torch.cuda.is_available():
-        return
-    torch.ops.load_library(str(build()))
-    _CUDA_LOADED = True
+def load() -> bool:
+    """Build (on first use) and load the CUDA kernels into this process.
+
+    Never called at import: ``import kdtree_ops`` neither initialises CUDA nor asks for a
+    device, so it is safe in a ``sitecustomize.py`` that every process of an environment runs
+    (tokenizer processes, ranks that have not chosen their GPU yet, processes that fork). It
+    runs on first use instead: every op wrapper handed a CUDA tensor, every fake impl tracing
+    one (so ``torch.compile``'d graphs find the kernels), and the SGLang hook inside each rank
+    once SGLang has set that rank's device. It builds for the current device's arch
+    (``KDTREE_CUDA_ARCH`` overrides); ranks of one arch share one cached build.
+
+    Returns
+    -------
+    bool
+        True when the kernels are registered; False without a CUDA GPU or with
+        ``KDTREE_NO_BUILD=1``. A failed build raises, and every later call raises the same
+        error without building again.
+    """
+    global _LOADED, _LOAD_ERROR
+    if _LOADED:
+        return True
+    with _LOAD_LOCK:
+        if _LOADED:
+            return True
+        if _LOAD_ERROR is not None:
+            raise _LOAD_ERROR
+        if _env_flag("KDTREE_NO_BUILD") or not torch.cuda.is_available():
+            return False
+        try:
+            torch.ops.load_library(str(build()))
+        except BaseException as e:
+            _LOAD_ERROR = e
+            raise
+        _LOADED = True
+        return True
 
 
 def cuda_available() -> bool:
-    """True when the CUDA kernels are built and registered in this process."""
-    return _CUDA_LOADED
+    """True when the CUDA kernels can run in this process (loads them on first call, see
+    :func:`load`)."""
+    return load()
+
+
+def _cuda_kernels_for(*args) -> None:
+    """Load the kernels before the first op on a CUDA tensor (one flag test once loaded)."""
+    if _LOADED:
+        return
+    for a in args:
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                load()
+                return
 
 
 def _define(schema: str):
@@ -282,6 +327,22 @@ def _define(schema: str):
 
     def register(fn):
         _lib.impl(name, fn, "CPU")
+        return fn
+
+    return register
+
+
+def _fake(name: str):
+    """Register `fn` as the fake impl of ``kdtree::name``. Tracing CUDA tensors loads the
+    kernels, which the compiled graph then calls at run time."""
+
+    def register(fn):
+        @functools.wraps(fn)
+        def fake(*args, **kwargs):
+            _cuda_kernels_for(*args, *kwargs.values())
+            return fn(*args, **kwargs)
+
+        torch.library.register_fake(f"kdtree::{name}")(fake)
         return fn
 
     return register
@@ -324,7 +385,7 @@ def _merge_state_cpu(v_a, s_a, v_b, s_b):
     return _merge_state_math(v_a, s_a, v_b, s_b)
 
 
-@torch.library.register_fake("kdtree::merge_state")
+@_fake("merge_state")
 def _merge_state_fake(v_a, s_a, v_b, s_b):
     _check_merge_args(v_a, s_a, v_b, s_b)
     return torch.empty_like(v_a, memory_format=torch.contiguous_format), torch.empty_like(
@@ -340,7 +401,7 @@ def _merge_state_inplace_cpu(v_a, s_a, v_b, s_b):
     s_a.copy_(s)
 
 
-@torch.library.register_fake("kdtree::merge_state_")
+@_fake("merge_state_")
 def _merge_state_inplace_fake(v_a, s_a, v_b, s_b):
     return None
 
@@ -364,11 +425,13 @@ def merge_state(
     s : Tensor [T, H], float32
         Its log-sum-exp (``-inf`` where both are empty).
     """
+    _cuda_kernels_for(v_a)
     return torch.ops.kdtree.merge_state(v_a, s_a, v_b, s_b)
 
 
 def merge_state_(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor) -> None:
     """In-place :func:`merge_state`: the merged result overwrites ``v_a`` and ``s_a``."""
+    _cuda_kernels_for(v_a)
     torch.ops.kdtree.merge_state_(v_a, s_a, v_b, s_b)
 
 
@@ -448,7 +511,7 @@ def _verify_attn_cpu(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree
     return _verify_attn_math(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale)
 
 
-@torch.library.register_fake("kdtree::verify_attn")
+@_fake("verify_attn")
 def _verify_attn_fake(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale, max_kv_len=-1):
     _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask)
     T, H, _ = q.shape
@@ -466,7 +529,7 @@ def _verify_attn_out_cpu(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, 
     lse.copy_(s)
 
 
-@torch.library.register_fake("kdtree::verify_attn_out")
+@_fake("verify_attn_out")
 def _verify_attn_out_fake(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale, out, lse, max_kv_len=-1):
     _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask)
 
@@ -549,6 +612,7 @@ def verify_attn(
     lse : Tensor [T, H], float32, natural-log log-sum-exp of each row's scores
         (``-inf`` for a row that sees nothing; its output is 0).
     """
+    _cuda_kernels_for(q)
     if check_mode():
         _validate_verify_indices(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask)
     hint = -1 if max_kv_len is None else int(max_kv_len)
@@ -578,7 +642,7 @@ def _pack_tree_mask_cpu(mask):
     return _pack_bits(mask != 0, max(1, -(-mask.shape[1] // 32)))
 
 
-@torch.library.register_fake("kdtree::pack_tree_mask")
+@_fake("pack_tree_mask")
 def _pack_tree_mask_fake(mask):
     return mask.new_empty(mask.shape[0], max(1, -(-mask.shape[1] // 32)), dtype=torch.int32)
 
@@ -598,7 +662,7 @@ def _sglang_mask_to_packed_cpu(custom_mask, mask_indptr, qo_indptr, kv_indptr, n
     return out
 
 
-@torch.library.register_fake("kdtree::sglang_mask_to_packed")
+@_fake("sglang_mask_to_packed")
 def _sglang_mask_to_packed_fake(custom_mask, mask_indptr, qo_indptr, kv_indptr, num_rows, max_nodes):
     return qo_indptr.new_empty(num_rows, -(-max_nodes // 32), dtype=torch.int32)
 
@@ -615,6 +679,7 @@ def pack_tree_mask(mask: torch.Tensor) -> torch.Tensor:
     -------
     Tensor [T, ceil(N / 32)], int32: bit ``j % 32`` of word ``j // 32`` = ``mask[i, j]``.
     """
+    _cuda_kernels_for(mask)
     return torch.ops.kdtree.pack_tree_mask(mask)
 
 
@@ -651,6 +716,7 @@ def sglang_mask_to_packed(
         qo = qo_indptr.long().cpu()
         num_rows = int(qo[-1]) if num_rows is None else num_rows
         max_nodes = max(1, int((qo[1:] - qo[:-1]).max())) if max_nodes is None and qo.numel() > 1 else (max_nodes or 1)
+    _cuda_kernels_for(custom_mask)
     return torch.ops.kdtree.sglang_mask_to_packed(custom_mask, mask_indptr, qo_indptr, kv_indptr, num_rows, max_nodes)
 
 # ---- tree ops ----
@@ -775,7 +841,7 @@ def _build_tree_cpu(topk_logprobs, topk_tokens, root_tokens, budget):
     )
 
 
-@torch.library.register_fake("kdtree::build_tree")
+@_fake("build_tree")
 def _build_tree_fake(topk_logprobs, topk_tokens, root_tokens, budget):
     _check_build_tree_args(topk_logprobs, topk_tokens, root_tokens, budget)
     B, N = topk_logprobs.shape[0], budget + 1
@@ -816,6 +882,7 @@ def build_tree(
         ``tokens [B, N]`` int64, ``parents [B, N]`` int32, ``depths [B, N]`` int32,
         ``num_nodes [B]`` int32, ``mask [B, N, ceil(N / 32)]`` int32 (see :class:`Tree`).
     """
+    _cuda_kernels_for(topk_logprobs)
     return Tree(*torch.ops.kdtree.build_tree(topk_logprobs, topk_tokens, root_tokens, budget))
 
 
@@ -916,7 +983,7 @@ def _verify_metadata_cpu(depths, parents, prefix_lens, retrieve):
     return positions, qo_indptr, index.to(depths.device), as_tensor(first_child), as_tensor(next_sibling)
 
 
-@torch.library.register_fake("kdtree::verify_metadata")
+@_fake("verify_metadata")
 def _verify_metadata_fake(depths, parents, prefix_lens, retrieve):
     _check_verify_metadata_args(depths, parents, prefix_lens)
     B, N = depths.shape
@@ -964,7 +1031,7 @@ def _flat_custom_mask_cpu(mask, prefix_lens, capacity):
     return out.to(mask.device), mask_indptr.to(mask.device)
 
 
-@torch.library.register_fake("kdtree::flat_custom_mask")
+@_fake("flat_custom_mask")
 def _flat_custom_mask_fake(mask, prefix_lens, capacity):
     _check_flat_custom_mask_args(mask, prefix_lens, capacity)
     return mask.new_empty((capacity,), dtype=torch.bool), mask.new_empty((mask.shape[0] + 1,), dtype=torch.int64)
@@ -1005,6 +1072,7 @@ def verify_metadata(
         ``custom_mask [capacity]`` bool + ``mask_indptr [B+1]`` int64 and the three
         ``retrieve_* [B, N]`` int64 arrays (None otherwise).
     """
+    _cuda_kernels_for(tree.depths)
     positions, qo_indptr, r_index, r_next, r_sibling = torch.ops.kdtree.verify_metadata(
         tree.depths, tree.parents, prefix_lens, retrieve
     )
@@ -1051,7 +1119,7 @@ def _accept_walk_cpu(parents, tokens, target_tokens, max_depth):
     return accepted.to(dev), accept_len.to(dev), bonus.to(dev)
 
 
-@torch.library.register_fake("kdtree::accept_walk")
+@_fake("accept_walk")
 def _accept_walk_fake(parents, tokens, target_tokens, max_depth):
     _check_accept_walk_args(parents, tokens, target_tokens, max_depth)
     B = parents.shape[0]
@@ -1087,6 +1155,7 @@ def accept_walk(
         The final ``next``: the target's token after the last accepted node.
     """
     depth = tree.parents.shape[1] - 1 if max_depth is None else max_depth
+    _cuda_kernels_for(tree.parents)
     return torch.ops.kdtree.accept_walk(tree.parents, tree.tokens, target_tokens, depth)
 
 
@@ -1163,7 +1232,7 @@ def _move_kv_cpu(kv_layers, src_slots, dst_slots, disjoint=False):
         rows[dst] = rows[src]  # rows[src] is a gathered copy: every read precedes every write
 
 
-@torch.library.register_fake("kdtree::move_kv")
+@_fake("move_kv")
 def _move_kv_fake(kv_layers, src_slots, dst_slots, disjoint=False):
     _check_move_args(kv_layers, src_slots, dst_slots)
 
@@ -1195,6 +1264,7 @@ def move_kv(
         single pass (half the memory traffic). Breaking the promise gives undefined row
         contents (validated in check mode).
     """
+    _cuda_kernels_for(src_slots)
     torch.ops.kdtree.move_kv(list(kv_layers), src_slots, dst_slots, disjoint=disjoint)
 
 # ---- main job: python -m kdtree_ops ----
@@ -1678,8 +1748,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"\n{verdict}", flush=True)
     return 1 if failures else 0
 
-
-_load_cuda()
 
 # KDTREE_VERIFY=validate|on: hook SGLang's verify attention (sglang_hook.py). Only when SGLang
 # is importable, and a hook problem never fails this import.

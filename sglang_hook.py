@@ -347,8 +347,35 @@ def _patch(owner, attr: str, new) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def _serves_target_mla(backend) -> bool:
+    """Whether this backend runs the target model's MLA attention: the only verify calls the
+    hook takes. A draft model's runner (DFlash drafts run TARGET_VERIFY through a Triton
+    backend of their own) and non-MLA models stay on SGLang's path, silently."""
+    return bool(getattr(backend, "use_mla", False)) and not getattr(backend, "is_draft_runner", False)
+
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_MLA_LAYER = (kdtree_ops.MLA_QK_DIM, kdtree_ops.MLA_V_DIM, 1)  # qk dims, v dims, KV heads
+_FP8_STORAGE = (torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _scale_reason(layer, pool_dtype: torch.dtype) -> Optional[str]:
+    """KV scales the hook serves: none, or exactly 1.0 over a bf16/fp16 pool. FP8 checkpoints
+    (DeepSeek-V3/R1, Kimi K2) give every layer k_scale = v_scale = 1.0 even when the pool is
+    bf16; SGLang then divides k by 1.0 before saving it, which changes no bit."""
+    if layer.k_scale is None and layer.v_scale is None:
+        return None
+    if pool_dtype in _FP8_STORAGE:
+        return None  # the pool check names it
+    k_scale, v_scale = getattr(layer, "k_scale_float", None), getattr(layer, "v_scale_float", None)
+    if k_scale == 1.0 and v_scale == 1.0:
+        return None
+    return f"KV scales k_scale={k_scale}, v_scale={v_scale} over a {pool_dtype} pool (only 1.0 is served)"
+
+
 def _unsupported(backend, q, k, v, layer, fb, extra: dict) -> Optional[str]:
-    """Why our path cannot serve this TARGET_VERIFY call exactly as SGLang would (None: it can)."""
+    """Why our path cannot serve this target-MLA TARGET_VERIFY call exactly as SGLang would
+    (None: it can)."""
     for name in ("sinks", "score_mod", "aux_tensors"):
         if extra.get(name) is not None:
             return f"{name} is set"
@@ -357,17 +384,21 @@ def _unsupported(backend, q, k, v, layer, fb, extra: dict) -> Optional[str]:
         return f"unknown forward_extend arguments {unknown}"
     if k is None or v is None:
         return "k/v not given (KV read back from the pool)"
-    if (layer.qk_head_dim, layer.v_head_dim, layer.tp_k_head_num) != (kdtree_ops.MLA_QK_DIM, kdtree_ops.MLA_V_DIM, 1):
-        return f"layer is not MLA 576/512 with one KV head (got {layer.qk_head_dim}/{layer.v_head_dim}, {layer.tp_k_head_num} KV heads)"
     T, H = q.shape[0], layer.tp_q_head_num
     if q.numel() != T * H * kdtree_ops.MLA_QK_DIM or k.numel() != T * kdtree_ops.MLA_QK_DIM:
         return f"unexpected q/k shapes {tuple(q.shape)}/{tuple(k.shape)}"
-    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or k.dtype != q.dtype:
-        return f"q/k dtypes {q.dtype}/{k.dtype}"
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype:
+        return f"q/k dtypes {q.dtype}/{k.dtype} (kdtree_ops runs bfloat16 and float16)"
     if getattr(backend, "page_size", 1) != 1:
         return f"page size {backend.page_size} (kdtree_ops needs 1)"
-    if layer.k_scale is not None or layer.v_scale is not None:
-        return "scaled (fp8) KV"
+    kv = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
+    if kv.dtype in _FP8_STORAGE:
+        return f"fp8 KV cache (pool stores {kv.dtype}; kdtree_ops reads bfloat16/float16 pools)"
+    if kv.dtype != q.dtype or kv.shape[-1] != kdtree_ops.MLA_QK_DIM:
+        return f"KV pool stores {kv.dtype} rows of {kv.shape[-1]} (q is {q.dtype})"
+    scale = _scale_reason(layer, kv.dtype)
+    if scale:
+        return scale
     if layer.sliding_window_size is not None and layer.sliding_window_size > -1:
         return "sliding-window layer"
     if layer.logit_cap and layer.logit_cap > 0:
@@ -385,22 +416,31 @@ def _unsupported(backend, q, k, v, layer, fb, extra: dict) -> Optional[str]:
     can_fp8 = getattr(backend, "_can_run_dense_fp8_chunked_mha", None)
     if can_fp8 is not None and can_fp8(q, k, v, layer, fb):
         return "dense fp8 chunked MHA"
-    kv = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
-    if kv.dtype != q.dtype or kv.shape[-1] != kdtree_ops.MLA_QK_DIM:
-        return f"KV pool stores {kv.dtype} rows of {kv.shape[-1]} (q is {q.dtype})"
     md = backend.forward_metadata
     if md is None or md.qo_indptr is None or md.kv_indptr is None or md.kv_indices is None:
         return "verify metadata missing"
-    if md.qo_indptr.dtype != torch.int32 or md.kv_indptr.dtype != torch.int32:
-        return f"index dtypes qo_indptr {md.qo_indptr.dtype}, kv_indptr {md.kv_indptr.dtype}"
+    for name in ("qo_indptr", "kv_indptr", "kv_indices", "mask_indptr"):
+        t = getattr(md, name)
+        if t is not None and t.dtype not in _INDEX_DTYPES:
+            return f"{name} of dtype {t.dtype}"
     if md.custom_mask is not None:
         if md.mask_indptr is None or md.custom_mask.dtype not in (torch.bool, torch.uint8):
             return f"custom mask of dtype {md.custom_mask.dtype} without usable mask_indptr"
         if not isinstance(md.max_extend_len, int) or md.max_extend_len < 1:
             return f"max_extend_len {md.max_extend_len!r} is not a node count"
-    if q.device.type == "cuda" and not kdtree_ops.cuda_available():
-        return "kdtree_ops CUDA kernels are not built in this process (KDTREE_NO_BUILD?)"
+    if q.device.type == "cuda":
+        return _kernels_reason()
     return None
+
+
+def _kernels_reason() -> Optional[str]:
+    """None when the CUDA kernels are loaded in this process (loading them if needed)."""
+    try:
+        if kdtree_ops.load():
+            return None
+        return "kdtree_ops CUDA kernels are not loaded in this process (KDTREE_NO_BUILD=1?)"
+    except Exception as e:
+        return f"kdtree_ops CUDA kernels could not be built or loaded ({type(e).__name__}: {e})"
 
 
 def _step_mask(backend, md, T: int):
@@ -472,7 +512,13 @@ def _make_forward_extend(tb, original):
 
     def forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs):
         st = _STATE
-        if st is None or st.mode == "off" or not forward_batch.forward_mode.is_target_verify():
+        if (
+            st is None
+            or st.mode == "off"
+            or not forward_batch.forward_mode.is_target_verify()
+            or not _serves_target_mla(self)
+            or (layer.qk_head_dim, layer.v_head_dim, layer.tp_k_head_num) != _MLA_LAYER
+        ):
             return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
         prof = st.profiler if st.profile else None
         try:
@@ -545,8 +591,7 @@ def _make_metadata_hook(original, in_capture_arg: bool):
 def _on_verify_step(backend, fb, in_capture: bool, replay: bool) -> None:
     st = _STATE
     st.masks.pop(backend, None)
-    st.backends.add(backend)
-    if in_capture or _capturing():
+    if in_capture or _capturing() or not _serves_target_mla(backend):
         return
     st.steps += 1
     if replay and st.profile:
@@ -573,11 +618,35 @@ def _log_summary() -> None:
     st.window_start, st.ours, st.fallbacks = st.steps, 0, 0
 
 
+def _make_init_hook(original):
+    """Wrap TritonAttnBackend.__init__: SGLang builds its backends inside each rank after it
+    has set the rank's device, so this is where the kernels load (built once per arch and
+    cached); no import-time CUDA work, and never a first load inside a graph capture."""
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        st = _STATE
+        if st is None:
+            return
+        try:
+            st.backends.add(self)
+            if _serves_target_mla(self) and str(getattr(self, "device", "cpu")).startswith("cuda"):
+                reason = _kernels_reason()
+                if reason:
+                    _warn_once(reason)
+        except Exception as e:
+            logger.warning("kdtree_ops: backend setup failed (%s: %s); continuing", type(e).__name__, e)
+
+    init.__wrapped__ = original
+    return init
+
+
 def _patch_triton_backend(tb) -> None:
     cls = tb.TritonAttnBackend
     if "forward_extend" not in cls.__dict__:
         raise AttributeError("TritonAttnBackend.forward_extend not found")
     _patch(cls, "forward_extend", _make_forward_extend(tb, cls.__dict__["forward_extend"]))
+    _patch(cls, "__init__", _make_init_hook(cls.__dict__["__init__"]))
     for name, has_flag in (("init_forward_metadata", False), ("init_forward_metadata_out_graph", True)):
         if name in cls.__dict__:
             _patch(cls, name, _make_metadata_hook(cls.__dict__[name], has_flag))

@@ -61,6 +61,18 @@ inline void check_index(const at::Tensor& t, const char* name) {
            " must be int32 or int64, got ", dtype_name(t.scalar_type()));
 }
 
+// An int32 or int64 index tensor read as int64 on the device. SGLang hands the same index in
+// either width (its CUDA-graph buffers hold qo_indptr and mask_indptr as int64, its eager
+// metadata int32), and one uniform branch per read costs less than a kernel per combination.
+struct IndexView {
+  const void* ptr;
+  bool wide;
+  __device__ __forceinline__ int64_t operator[](int64_t i) const {
+    return wide ? static_cast<const int64_t*>(ptr)[i] : static_cast<int64_t>(static_cast<const int32_t*>(ptr)[i]);
+  }
+};
+inline IndexView index_view(const at::Tensor& t) { return {t.data_ptr(), t.scalar_type() == at::kLong}; }
+
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
 inline int num_sms(const at::Tensor& on) {

@@ -21,8 +21,8 @@ __global__ void pack_tree_mask_kernel(const uint8_t* __restrict__ mask, int64_t 
 
 // Row i of request b (node n = i - qo_indptr[b]) reads the tree columns of its flat block:
 // custom_mask[mask_indptr[b] + n * (prefix + nodes) + prefix + j].
-__global__ void sglang_mask_kernel(const uint8_t* __restrict__ mask, const int64_t* mask_indptr,
-                                   const int32_t* qo_indptr, const int32_t* kv_indptr, int batch,
+__global__ void sglang_mask_kernel(const uint8_t* __restrict__ mask, IndexView mask_indptr,
+                                   IndexView qo_indptr, IndexView kv_indptr, int batch,
                                    int64_t rows, int words, int32_t* out) {
   const int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (idx >= rows * words) return;
@@ -81,18 +81,18 @@ at::Tensor sglang_mask_to_packed(const at::Tensor& custom_mask, const at::Tensor
     KD_CHECK(t->size(0) == qo_indptr.size(0) && t->size(0) >= 1, name, " must have batch + 1 = ",
              qo_indptr.size(0), " entries, got ", t->size(0));
   }
-  check_dtype(mask_indptr, "mask_indptr", at::kLong);
-  check_dtype(qo_indptr, "qo_indptr", at::kInt);
-  check_dtype(kv_indptr, "kv_indptr", at::kInt);
+  check_index(mask_indptr, "mask_indptr");
+  check_index(qo_indptr, "qo_indptr");
+  check_index(kv_indptr, "kv_indptr");
   KD_CHECK(num_rows >= 0 && max_nodes >= 1, "num_rows must be >= 0 and max_nodes >= 1, got ",
            num_rows, " and ", max_nodes);
   const int words = static_cast<int>((max_nodes + 31) / 32);
-  at::Tensor out = at::empty({num_rows, words}, qo_indptr.options());
+  at::Tensor out = at::empty({num_rows, words}, qo_indptr.options().dtype(at::kInt));
   if (num_rows == 0) return out;
   const c10::cuda::CUDAGuard guard(custom_mask.device());
   sglang_mask_kernel<<<ceil_div(num_rows * words, 256), 256, 0, current_stream()>>>(
-      static_cast<const uint8_t*>(custom_mask.data_ptr()), mask_indptr.data_ptr<int64_t>(),
-      qo_indptr.data_ptr<int32_t>(), kv_indptr.data_ptr<int32_t>(),
+      static_cast<const uint8_t*>(custom_mask.data_ptr()), index_view(mask_indptr),
+      index_view(qo_indptr), index_view(kv_indptr),
       static_cast<int>(qo_indptr.size(0) - 1), num_rows, words, out.data_ptr<int32_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
