@@ -457,7 +457,8 @@ def _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tr
         torch._check(t.dtype == q.dtype, lambda: f"kdtree: {name} must be {q.dtype} like q, got {t.dtype}")
     torch._check(tree_k.shape[0] == q.shape[0], lambda: f"kdtree: tree_k must have {q.shape[0]} rows like q, got {tree_k.shape[0]}")
     for name, t in (("kv_indptr", kv_indptr), ("qo_indptr", qo_indptr)):
-        torch._check(t.dim() == 1 and t.dtype == torch.int32, lambda: f"kdtree: {name} must be 1-D int32, got {t.dtype} {tuple(t.shape)}")
+        torch._check(t.dim() == 1 and t.dtype in (torch.int32, torch.int64),
+                     lambda: f"kdtree: {name} must be 1-D int32 or int64, got {t.dtype} {tuple(t.shape)}")
     torch._check(kv_indptr.shape == qo_indptr.shape, lambda: f"kdtree: qo_indptr must have batch + 1 = {kv_indptr.shape[0]} entries like kv_indptr, got {qo_indptr.shape[0]}")
     torch._check(kv_indices.dim() == 1 and kv_indices.dtype in (torch.int32, torch.int64),
                  lambda: f"kdtree: kv_indices must be 1-D int32 or int64, got {kv_indices.dtype} {tuple(kv_indices.shape)}")
@@ -585,11 +586,11 @@ def verify_attn(
         Absorbed queries (512 nope + 64 rope) of all requests' tree nodes.
     kv_cache : Tensor [S, 576] or [S, 1, 576], q's dtype
         The layer's latent KV pool.
-    kv_indptr : Tensor [B + 1], int32
+    kv_indptr : Tensor [B + 1], int32 or int64
         Prefix boundaries into kv_indices per request.
     kv_indices : Tensor [>= kv_indptr[-1]], int32 or int64
         Prefix slots (rows of kv_cache), in token order.
-    qo_indptr : Tensor [B + 1], int32
+    qo_indptr : Tensor [B + 1], int32 or int64 (independently of kv_indptr)
         Row boundaries of each request's nodes in q (node 0 = root).
     tree_k : Tensor [T, 576] or [T, 1, 576], q's dtype
         The nodes' own latents (their keys/values).

@@ -350,6 +350,45 @@ def test_verify_attn_cuda_portable_kernel(monkeypatch, prefix_lens, node_counts,
     assert_verify_close(out, lse, case)
 
 
+INDPTR_DTYPES = list(itertools.product([torch.int32, torch.int64], repeat=2))  # (kv_indptr, qo_indptr)
+
+
+def with_indptr_dtypes(case, kv_dtype, qo_dtype):
+    return dict(case, kv_indptr=case["kv_indptr"].to(kv_dtype), qo_indptr=case["qo_indptr"].to(qo_dtype))
+
+
+def test_verify_attn_reference_int64_indptr():
+    """The CPU reference reads int64 indptrs (either or both) as it reads int32 ones."""
+    case = make_verify_case([7, 0, 12], [3, 4, 1], 2, dtype=torch.float64, device="cpu")
+    ref_out, ref_lse = kdtree_ops.verify_attn(*verify_args(case))
+    for kv_dtype, qo_dtype in INDPTR_DTYPES[1:]:
+        out, lse = kdtree_ops.verify_attn(*verify_args(with_indptr_dtypes(case, kv_dtype, qo_dtype)))
+        assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+@needs_gpu
+@pytest.mark.parametrize("wgmma", ["1", "0"])
+@pytest.mark.parametrize("kv_dtype,qo_dtype", INDPTR_DTYPES)
+def test_verify_attn_cuda_indptr_dtypes(monkeypatch, wgmma, kv_dtype, qo_dtype):
+    """kv_indptr and qo_indptr each int32 or int64 (SGLang's graph buffers mix them), read
+    natively by both kernels, eager and in a replayed CUDA graph."""
+    monkeypatch.setenv("KDTREE_VERIFY_WGMMA", wgmma)
+    shape = ([113, 0, 1500], [9, 5, 17], 16)
+    case = with_indptr_dtypes(make_verify_case(*shape), kv_dtype, qo_dtype)
+    out, lse = kdtree_ops.verify_attn(*verify_args(case), max_kv_len=1500)
+    assert_verify_close(out, lse, case)
+
+    def fresh():
+        c = with_indptr_dtypes(make_verify_case(*shape, pool=4000), kv_dtype, qo_dtype)
+        return [c[k] for k in VERIFY_ARGS[:-1]]
+
+    def check(inputs, out):
+        case = dict(zip(VERIFY_ARGS, [*inputs, 1.0 / math.sqrt(192)]))
+        assert_verify_close(out[0], out[1], case)
+
+    graph_replay(lambda *a: kdtree_ops.verify_attn(*a, 1.0 / math.sqrt(192), max_kv_len=2048), fresh, check)
+
+
 @needs_gpu
 def test_verify_attn_cuda_long_context_and_big_pool():
     """256k-token prefix with slots spread over a pool past 4 GB (64-bit offsets)."""
@@ -514,7 +553,8 @@ def test_verify_attn_rejects_bad_input(device):
     bad = [
         ("q", case["q"][..., :512], "q must be"),
         ("kv_cache", case["kv_cache"].half(), "kv_cache must be"),
-        ("kv_indptr", case["kv_indptr"].long(), "kv_indptr must be"),
+        ("kv_indptr", case["kv_indptr"].short(), "kv_indptr must be"),
+        ("qo_indptr", case["qo_indptr"].float(), "qo_indptr must be"),
         ("tree_k", case["tree_k"][:2], "tree_k must"),
         ("tree_mask", case["tree_mask"][:1], "tree_mask must be"),
         ("kv_indices", case["kv_indices"].float(), "kv_indices must be"),

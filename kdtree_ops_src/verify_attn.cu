@@ -399,7 +399,7 @@ void check_rows(const at::Tensor& t, const char* name, const at::Tensor& q, int6
 void check_indptr(const at::Tensor& t, const char* name, const at::Tensor& q, int64_t size) {
   check_cuda(t, name, q);
   check_dim(t, name, 1);
-  check_dtype(t, name, at::kInt);
+  check_index(t, name);
   KD_CHECK(t.is_contiguous(), name, " must be contiguous");
   if (size >= 0) KD_CHECK(t.size(0) == size, name, " must have ", size, " entries (batch + 1), got ", t.size(0));
   KD_CHECK(t.size(0) >= 1, name, " must have batch + 1 >= 1 entries");
@@ -427,6 +427,9 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   check_dim(kv_indices, "kv_indices", 1);
   check_index(kv_indices, "kv_indices");
   KD_CHECK(kv_indices.is_contiguous(), "kv_indices must be contiguous");
+  // The kernels hold indptr entries (positions in kv_indices, rows of q) as int.
+  KD_CHECK(kv_indices.size(0) < (int64_t{1} << 31), "kv_indices must have fewer than 2^31 entries, got ",
+           kv_indices.size(0));
   if (tree_mask) {
     const at::Tensor& m = *tree_mask;
     check_cuda(m, "tree_mask", q);
@@ -493,9 +496,11 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
     p.kv_stride = kv_cache.stride(0);
     p.tree_k = static_cast<const T_*>(tree_k.data_ptr());
     p.tk_stride = tree_k.stride(0);
-    p.kv_indptr = kv_indptr.data_ptr<int32_t>();
+    p.kv_indptr = kv_indptr.data_ptr();
+    p.kv_indptr64 = kv_indptr.scalar_type() == at::kLong;
     p.kv_indices = kv_indices.data_ptr();
-    p.qo_indptr = qo_indptr.data_ptr<int32_t>();
+    p.qo_indptr = qo_indptr.data_ptr();
+    p.qo_indptr64 = qo_indptr.scalar_type() == at::kLong;
     p.mask = tree_mask ? tree_mask->data_ptr<int32_t>() : nullptr;
     p.mask_stride = tree_mask ? tree_mask->stride(0) : 0;
     p.mask_words = tree_mask ? static_cast<int>(tree_mask->size(1)) : 0;
