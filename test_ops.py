@@ -1474,6 +1474,7 @@ def sgl(monkeypatch):
 
 def hook_server(tbd, device, kind="eagle_tree", *, N=6, steps=3, heads=4, layers=2, dtype=None, **runner_kw):
     algorithm, topk = HOOK_KINDS[kind]
+    steps = N - 1 if topk == 1 else steps  # an EAGLE chain has one draft token per step
     tbd.publish_server(device, algorithm=algorithm, num_draft_tokens=N, topk=topk, steps=steps)
     dtype = dtype or (torch.float16 if device == "cpu" else torch.bfloat16)
     runner = tbd.Runner(device=device, dtype=dtype, heads=heads, layers=layers, num_tokens_per_req=N,
@@ -1527,7 +1528,8 @@ def test_hook_serves_sglang_metadata(sgl, device, kind, path):
     sglang_hook.install("on")
     st = sglang_hook._STATE
     layers = [r.layer(i) for i in range(r.layers)]
-    batches = [[5, 33, 0], [17, 2, 61, 9]]
+    # a captured graph serves one batch size: the replayed batch keeps it
+    batches = [[5, 33, 0], [17, 2, 61, 9] if path == "eager" else [17, 61, 2]]
     if path == "graph_buffers":
         r.backend.init_cuda_graph_state(max_bs=4, max_num_tokens=4 * srv.N)
     for i, prefix_lens in enumerate(batches):
@@ -1567,9 +1569,9 @@ def test_hook_dflash_draft_and_target_in_one_step(sgl, device, caplog):
     """DFlash: the draft model runs TARGET_VERIFY through its own Triton backend (non-MLA,
     sharing the request table and allocator). Its calls go to SGLang silently and are not
     counted; the target's MLA layers are served; the step is counted once."""
+    sglang_hook.install("on")  # as from sitecustomize: before SGLang builds its backends
     srv = hook_server(sgl, device, "dflash")
     target = srv.runner
-    sglang_hook.install("on")
     draft = sgl.Runner(device=device, dtype=target.dtype, heads=4, layers=2, num_tokens_per_req=srv.N, mla=False,
                        head_dim=64, draft_of=target)
     g = torch.Generator().manual_seed(4)
@@ -1767,6 +1769,13 @@ def test_hook_validate_returns_sglang_and_reports_error(sgl, caplog, monkeypatch
     r = srv.runner
     g = torch.Generator().manual_seed(8)
     r.fill(g)
+    cls = type(r.backend)
+    real, skew = cls.forward_extend, {"factor": 1.0}
+
+    def skewed(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, score_mod=None, aux_tensors=None):
+        return real(self, q, k, v, layer, forward_batch, save_kv_cache, sinks, score_mod, aux_tensors) * skew["factor"]
+
+    monkeypatch.setattr(cls, "forward_extend", skewed)
     sglang_hook.install("validate")
     step = sgl.verify_step(r, [11, 2], hook_spec(srv, [11, 2], g), generator=g)
     r.backend.init_forward_metadata(step.fb)
@@ -1778,9 +1787,7 @@ def test_hook_validate_returns_sglang_and_reports_error(sgl, caplog, monkeypatch
         sglang_hook._log_summary()
         assert "2 layers compared" in caplog.text and "past tolerance" not in caplog.text
         assert "attn.kdtree" in caplog.text and "attn.sglang" in caplog.text and "mask" in caplog.text
-        real = sglang_forward
-        monkeypatch.setattr(type(r.backend).forward_extend, "__wrapped__",
-                            lambda *a, **kw: real(*a, **kw) * 1.5)  # SGLang's path now disagrees
+        skew["factor"] = 1.5  # SGLang's path now disagrees
         q, k, v = sgl.layer_inputs(r, step.T, g)
         r.backend.forward_extend(q, k, v, r.layer(1), step.fb)
         sglang_hook._log_summary()
