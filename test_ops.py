@@ -1850,9 +1850,11 @@ torch.cuda.is_available = lambda: True
 for name in ("get_device_capability", "get_device_properties", "init", "current_device", "set_device",
              "device_count", "get_device_name", "synchronize"):
     setattr(torch.cuda, name, boom)
+import importlib.util
 import kdtree_ops, sglang_hook
 assert not torch.cuda.is_initialized()
-assert sglang_hook.installed() == "on", sglang_hook.installed()
+expected = "on" if importlib.util.find_spec("sglang") else None  # the hook waits for SGLang
+assert sglang_hook.installed() == expected, sglang_hook.installed()
 print("clean")
 """
     env = dict(os.environ, KDTREE_VERIFY="on", KDTREE_CACHE_DIR=str(tmp_path / "cache"))
