@@ -27,19 +27,23 @@ if __name__ == "__main__":  # `python -m kdtree_ops`: run the real module once, 
     sys.exit(kdtree_ops.main())
 
 import argparse
-import fcntl
+import contextlib
 import functools
 import hashlib
 import heapq
 import itertools
+import json
+import logging
 import math
 import os
 import shutil
+import socket
 import statistics
 import struct
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -49,22 +53,66 @@ import torch
 
 
 SRC_DIR = Path(__file__).resolve().with_name("kdtree_ops_src")
+log = logging.getLogger("kdtree_ops")
 _lib = torch.library.Library("kdtree", "DEF")  # every schema is defined through this
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+_TRUE_WORDS, _FALSE_WORDS = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    """A KDTREE_* switch: 1/true/yes/on or 0/false/no/off (any case); unset is ``default``.
+    Anything else warns once and reads as ``default``."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    word = raw.strip().lower()
+    if word in _TRUE_WORDS or word in _FALSE_WORDS:
+        return word in _TRUE_WORDS
+    _warn_env(name, raw, f"not one of {'/'.join(_TRUE_WORDS)} or {'/'.join(w for w in _FALSE_WORDS if w)}", default)
+    return default
+
+
+def env_number(name: str, default, *, minimum=None, kind=int):
+    """A numeric KDTREE_* setting (``kind`` int or float), finite and >= ``minimum``; a
+    malformed or out-of-range value warns once and reads as ``default``."""
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = kind(raw.strip())
+    except ValueError:
+        _warn_env(name, raw, f"not a valid {kind.__name__}", default)
+        return default
+    if not math.isfinite(value) or (minimum is not None and value < minimum):
+        _warn_env(name, raw, "not finite" if not math.isfinite(value) else f"below {minimum}", default)
+        return default
+    return value
+
+
+_ENV_WARNED: set = set()
+
+
+def _warn_env(name: str, raw: str, why: str, default) -> None:
+    if (name, raw) not in _ENV_WARNED:
+        _ENV_WARNED.add((name, raw))
+        log.warning("kdtree_ops: %s=%r is %s; using %r", name, raw, why, default)
 
 
 def check_mode() -> bool:
     """True when KDTREE_CHECK asks for device-side validation of indices and masks."""
-    return _env_flag("KDTREE_CHECK")
+    return env_flag("KDTREE_CHECK")
 
 
 # --------------------------------------------------------------------------------------------
-# JIT build: one ninja file, one object per source (so they compile in parallel), one .so
-# per (sources, flags, torch, CUDA, arch) hash. A flock serialises concurrent builders; the
-# kernel releases it when a builder dies, so a killed build never blocks later imports.
+# JIT build. Not torch.utils.cpp_extension.load_inline: that compiles one translation unit
+# (nothing in parallel) into one folder per name. Here: one ninja file with one object per
+# source (parallel), one cache folder per (sources, flags, torch, CUDA runtime, nvcc, arch)
+# hash, so ranks of one arch build once and other archs never collide. Builders serialise on
+# an flock (released by the kernel when a builder dies, so a killed build blocks nobody),
+# compile in a private temporary folder (a killed builder's leftover jobs touch nobody else's
+# files) and move the library into place atomically; a BUILT record of its size and hash is
+# checked before every load, so a truncated or corrupt library is rebuilt, never dlopen'ed.
 # --------------------------------------------------------------------------------------------
 
 _NVCC_FLAGS = [
@@ -155,12 +203,22 @@ def _sources() -> list[Path]:
     return sorted(p for p in SRC_DIR.iterdir() if p.suffix in (".cu", ".cuh"))
 
 
+def _nvcc_version() -> str:
+    """The toolkit's version as its version.json states it (no subprocess); "none" without
+    a toolkit, whose build then fails with its own message."""
+    try:
+        info = json.loads((_cuda_home() / "version.json").read_text())
+        return str(info.get("cuda_nvcc", info.get("cuda", {})).get("version", "unknown"))
+    except (RuntimeError, OSError, ValueError, AttributeError):
+        return "none"
+
+
 def _build_key(archs: list[str]) -> str:
     h = hashlib.sha256()
     for p in _sources():
         h.update(p.name.encode())
         h.update(p.read_bytes())
-    for part in (_NVCC_FLAGS, archs, [torch.__version__, str(torch.version.cuda)]):
+    for part in (_NVCC_FLAGS, archs, [torch.__version__, str(torch.version.cuda), _nvcc_version()]):
         h.update(repr(part).encode())
     return h.hexdigest()[:16]
 
@@ -169,12 +227,81 @@ def cache_root() -> Path:
     return Path(os.environ.get("KDTREE_CACHE_DIR") or Path.home() / ".cache" / "kdtree_ops")
 
 
+_LIB_NAME = "kdtree_ops_cuda.so"
+_STALE_BUILD_S = 6 * 3600  # private build folders older than this are a dead builder's
+
+
+def _library_record(lib: Path) -> dict:
+    data = lib.read_bytes()
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _built_problem(build_dir: Path) -> Optional[str]:
+    """None when ``build_dir`` holds a library matching its BUILT record, else why not."""
+    marker, lib = build_dir / "BUILT", build_dir / _LIB_NAME
+    if not marker.exists():
+        return "not built yet"
+    try:
+        want = json.loads(marker.read_text())
+        got = _library_record(lib)
+    except (OSError, ValueError) as e:
+        return f"unreadable build ({type(e).__name__}: {e})"
+    if not isinstance(want, dict) or got != {k: want.get(k) for k in got}:
+        return f"library of {got['size']} bytes does not match its BUILT record ({want})"
+    return None
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path):
+    """Exclusive flock on ``path``, waited for at most KDTREE_BUILD_WAIT seconds (1800), saying
+    once whom it waits for; the holder's pid, host and start time are in the file."""
+    import fcntl  # POSIX only: the CPU references stay importable without it
+
+    wait = env_number("KDTREE_BUILD_WAIT", 1800.0, minimum=0.0, kind=float)
+    with open(path, "a+") as f:
+        deadline, said = time.monotonic() + wait, False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read().strip() or "another process"
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(
+                        f"kdtree_ops: gave up after {wait:g} s waiting for the build lock {path}, held by {holder}. "
+                        "If that process is stopped or hung, end it and retry; KDTREE_BUILD_WAIT sets the wait."
+                    ) from None
+                if not said:
+                    log.warning("kdtree_ops: waiting for the kernel build of %s (%s)", holder, path.parent)
+                    said = True
+                time.sleep(0.2)
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _prune_stale_builds(build_dir: Path) -> None:
+    now = time.time()
+    for d in build_dir.glob("tmp-*"):
+        try:
+            if now - d.stat().st_mtime > _STALE_BUILD_S:
+                shutil.rmtree(d, ignore_errors=True)
+        except OSError:
+            pass
+
+
 def _write_ninja(build_dir: Path, cuda_home: Path, archs: list[str], lib_name: str) -> None:
     torch_include = Path(torch.__file__).parent / "include"
     includes = [SRC_DIR, torch_include, torch_include / "torch" / "csrc" / "api" / "include", cuda_home / "include"]
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     cflags = _NVCC_FLAGS + _gencode(archs) + [f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
-    cflags += ["-Xptxas=-v"] if _env_flag("KDTREE_PTXAS_VERBOSE") else []
+    cflags += ["-Xptxas=-v"] if env_flag("KDTREE_PTXAS_VERBOSE") else []
     cflags += [f"-I{p}" for p in includes]
     torch_lib = Path(torch.__file__).parent / "lib"
     ldflags = [
@@ -226,38 +353,41 @@ def build(arch: Optional[Sequence[str]] = None, verbose: Optional[bool] = None) 
     archs = _arch_list(arch)
     key = _build_key(archs)
     build_dir = cache_root() / f"{key}-sm_{'_'.join(a.replace('.', '') for a in archs)}"
-    lib_name = "kdtree_ops_cuda.so"
-    lib_path = build_dir / lib_name
-    done = build_dir / "BUILT"
-    if done.exists() and lib_path.exists():
+    lib_path = build_dir / _LIB_NAME
+    if _built_problem(build_dir) is None:
         return lib_path  # built before: load without running ninja
     build_dir.mkdir(parents=True, exist_ok=True)
-    with open(build_dir / "lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # other builders wait here, then find BUILT
-        if done.exists() and lib_path.exists():
-            return lib_path
+    with _build_lock(build_dir / "lock"):
+        problem = _built_problem(build_dir)
+        if problem is None:
+            return lib_path  # another process built it while we waited
+        if problem != "not built yet":
+            log.warning("kdtree_ops: rebuilding the kernels in %s: %s", build_dir, problem)
+        _prune_stale_builds(build_dir)
         cuda_home = _cuda_home()
         ninja = _ninja()
         archs_txt = ", ".join(f"sm_{a.replace('.', '')}" for a in archs)
-        print(
-            f"kdtree_ops: building CUDA kernels for {archs_txt} (first use, about a minute) "
-            f"in {build_dir}",
-            file=sys.stderr,
-            flush=True,
-        )
-        _write_ninja(build_dir, cuda_home, archs, lib_name)
-        jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 4)
-        verbose = _env_flag("KDTREE_VERBOSE") if verbose is None else verbose
-        proc = subprocess.run(
-            [ninja, "-j", jobs, "-v"] if verbose else [ninja, "-j", jobs],
-            cwd=build_dir,
-            stdout=None if verbose else subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"kdtree_ops: building the CUDA kernels failed:\n{proc.stdout or ''}")
-        done.write_text(key + "\n")
+        log.warning("kdtree_ops: building CUDA kernels for %s (first use, about a minute) in %s", archs_txt, build_dir)
+        work = Path(tempfile.mkdtemp(prefix="tmp-", dir=build_dir))
+        try:
+            _write_ninja(work, cuda_home, archs, _LIB_NAME)
+            jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 4)
+            verbose = env_flag("KDTREE_VERBOSE") if verbose is None else verbose
+            proc = subprocess.run(
+                [ninja, "-j", jobs, "-v"] if verbose else [ninja, "-j", jobs],
+                cwd=work,
+                stdout=None if verbose else subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            if proc.returncode != 0:
+                raise RuntimeError(f"kdtree_ops: building the CUDA kernels failed:\n{proc.stdout or ''}")
+            record = _library_record(work / _LIB_NAME)
+            os.replace(work / _LIB_NAME, lib_path)
+            (work / "BUILT").write_text(json.dumps({**record, "key": key, "archs": archs}) + "\n")
+            os.replace(work / "BUILT", build_dir / "BUILT")
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     return lib_path
 
 
@@ -292,7 +422,7 @@ def load() -> bool:
             return True
         if _LOAD_ERROR is not None:
             raise _LOAD_ERROR
-        if _env_flag("KDTREE_NO_BUILD") or not torch.cuda.is_available():
+        if env_flag("KDTREE_NO_BUILD") or not torch.cuda.is_available():
             return False
         try:
             torch.ops.load_library(str(build()))

@@ -66,15 +66,6 @@ PROFILE_POINTS = (
 DDTREE_MODULES = ("sglang.srt.speculative.ddtree_worker", "sglang.srt.speculative.ddtree_utils")
 
 
-def _env_number(name: str, default, kind=int):
-    """A numeric env setting; a malformed value warns and keeps the default."""
-    try:
-        return kind(os.environ.get(name, default))
-    except ValueError:
-        logger.warning("kdtree_ops: %s=%r is not a valid %s; using %s", name, os.environ[name], kind.__name__, default)
-        return default
-
-
 def env_mode() -> str:
     """KDTREE_VERIFY as one of :data:`MODES` (unknown values read as off, with a warning)."""
     m = os.environ.get("KDTREE_VERIFY", "off").strip().lower() or "off"
@@ -245,12 +236,12 @@ class _Validator:
 class _State:
     def __init__(self, mode: str):
         self.mode = mode
-        self.log_every = max(1, _env_number("KDTREE_LOG_EVERY", 100))
-        self.profile = os.environ.get("KDTREE_PROFILE", "").strip() == "1"
-        self.defrag = os.environ.get("KDTREE_DEFRAG", "").strip() == "1"
-        self.defrag_budget = _env_number("KDTREE_DEFRAG_BUDGET_MB", 256) << 20
-        self.defrag_every = max(1, _env_number("KDTREE_DEFRAG_EVERY", 16))
-        self.validator = _Validator(_env_number("KDTREE_VALIDATE_TOL", 0.02, float))
+        self.log_every = kdtree_ops.env_number("KDTREE_LOG_EVERY", 100, minimum=1)
+        self.profile = kdtree_ops.env_flag("KDTREE_PROFILE")
+        self.defrag = kdtree_ops.env_flag("KDTREE_DEFRAG")
+        self.defrag_budget = kdtree_ops.env_number("KDTREE_DEFRAG_BUDGET_MB", 256, minimum=0) << 20
+        self.defrag_every = kdtree_ops.env_number("KDTREE_DEFRAG_EVERY", 16, minimum=1)
+        self.validator = _Validator(kdtree_ops.env_number("KDTREE_VALIDATE_TOL", 0.02, minimum=0.0, kind=float))
         self.profiler = _Profiler()
         self.steps = 0  # verify steps seen (eager and graph replays)
         self.window_start = 0

@@ -91,6 +91,93 @@ def test_two_processes_on_an_empty_cache_build_once(tmp_path):
     assert sum("building CUDA kernels" in err for _, err in results) == 1, results
 
 
+@pytest.fixture
+def tiny_build(tmp_path, monkeypatch):
+    """kdtree_ops.build over a one-kernel source folder: the cache logic at compile times of
+    seconds."""
+    if shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"):
+        pytest.skip("needs nvcc")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "tiny.cu").write_text("__global__ void tiny_kernel(int* x) { *x = 1; }\n")
+    monkeypatch.setattr(kdtree_ops, "SRC_DIR", src)
+    monkeypatch.setenv("KDTREE_CACHE_DIR", str(tmp_path / "cache"))
+    return lambda: kdtree_ops.build(arch=["9.0"])
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "record"])
+def test_build_cache_heals_a_damaged_library(tiny_build, caplog, damage):
+    """A library that does not match its BUILT record (size and sha256) is rebuilt, with one
+    line saying why, never loaded."""
+    lib = tiny_build()
+    good = lib.read_bytes()
+    if damage == "truncated":
+        lib.write_bytes(good[: len(good) // 2])
+    elif damage == "garbage":
+        lib.write_bytes(bytes(len(good)))
+    elif damage == "empty":
+        lib.write_bytes(b"")
+    else:
+        (lib.parent / "BUILT").write_text("not json\n")
+    assert kdtree_ops._built_problem(lib.parent) is not None
+    with caplog.at_level(_logging.WARNING, logger="kdtree_ops"):
+        assert tiny_build() == lib
+    assert kdtree_ops._built_problem(lib.parent) is None and lib.stat().st_size == len(good)
+    assert "rebuilding the kernels" in caplog.text
+
+
+def test_build_ignores_a_dead_builders_folder(tiny_build):
+    """A killed builder leaves its private folder (and maybe running compilers) behind; the
+    next builder compiles in its own folder and moves only its own library into place."""
+    key_dir = tiny_build().parent
+    for f in ("BUILT", kdtree_ops._LIB_NAME):
+        (key_dir / f).unlink()
+    dead = key_dir / "tmp-deadbuilder"
+    dead.mkdir()
+    (dead / kdtree_ops._LIB_NAME).write_bytes(b"half-written")
+    (dead / "build.ninja").write_text("garbage")
+    lib = tiny_build()
+    assert kdtree_ops._built_problem(lib.parent) is None and (dead / "build.ninja").read_text() == "garbage"
+
+
+def test_build_lock_wait_is_bounded(tiny_build, tmp_path, monkeypatch):
+    """A stopped lock holder blocks nobody forever: the waiter says whom it waits for and gives
+    up after KDTREE_BUILD_WAIT seconds with an error naming the holder."""
+    key_dir = tiny_build().parent
+    (key_dir / "BUILT").unlink()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time\n"
+         "f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX)\n"
+         "f.seek(0); f.truncate(); f.write(f'pid {os.getpid()} test holder'); f.flush()\n"
+         "print('locked', flush=True); time.sleep(60)", str(key_dir / "lock")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        monkeypatch.setenv("KDTREE_BUILD_WAIT", "0.5")
+        with pytest.raises(RuntimeError, match=f"pid {holder.pid} test holder.*KDTREE_BUILD_WAIT"):
+            tiny_build()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert kdtree_ops._built_problem(tiny_build().parent) is None  # the lock is free again
+
+
+def test_env_settings_reject_bad_values(monkeypatch, caplog):
+    """One parser for every KDTREE_* setting: bad values warn and keep the default."""
+    cases = [("KDTREE_LOG_EVERY", "0", dict(minimum=1), 100), ("KDTREE_VALIDATE_TOL", "nan", dict(minimum=0.0, kind=float), 0.02),
+             ("KDTREE_DEFRAG_BUDGET_MB", "-1", dict(minimum=0), 256), ("KDTREE_DEFRAG_EVERY", "x", dict(minimum=1), 16),
+             ("KDTREE_LOG_EVERY", "7", dict(minimum=1), 7)]
+    with caplog.at_level(_logging.WARNING, logger="kdtree_ops"):
+        for name, raw, kw, want in cases:
+            monkeypatch.setenv(name, raw)
+            default = 100 if name == "KDTREE_LOG_EVERY" else want
+            assert kdtree_ops.env_number(name, default, **kw) == want, (name, raw)
+        for raw, want in [("1", True), ("ON", True), ("yes", True), ("0", False), ("off", False), ("", False), ("maybe", False)]:
+            monkeypatch.setenv("KDTREE_PROFILE", raw)
+            assert kdtree_ops.env_flag("KDTREE_PROFILE") is want, raw
+    assert caplog.text.count("using") == 5  # nan, 0, -1, x, maybe
+
+
 # ---- merge_state ----
 
 MERGE_SHAPES = [(1, 1, 8), (113, 3, 512), (239, 16, 64), (7, 5, 3), (33, 128, 512)]
