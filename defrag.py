@@ -22,6 +22,7 @@ met changes nothing and says why.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Sequence, Union
@@ -267,6 +268,9 @@ class DefragPlan:
     released: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     bytes: int = 0  # KV bytes copied (all layers), reads and writes not double counted
     disjoint: bool = True  # no moved-to slot is also moved from: one-pass move_kv
+    # What it was planned against: the live requests (rows, lens), their slots and the free
+    # list, hashed. apply() refuses the plan once any of it has changed.
+    basis: tuple = (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64), "")
 
     @property
     def moved_slots(self) -> int:
@@ -281,6 +285,19 @@ class DefragPlan:
 
 def _slot_bytes(kv_layers) -> int:
     return sum(math.prod(kv.shape[1:]) * kv.element_size() for kv in kv_layers)
+
+
+def _pool_state(pool: Pool, rows: torch.Tensor, lens: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """(hash of the requests' slots and the free list, their slots flattened, the free list)."""
+    width = max(int(lens.max()) if rows.numel() else 0, 1)
+    tokens = pool.req_to_token[rows.to(pool.req_to_token.device), :width].to("cpu", torch.int64)
+    flat = tokens[torch.arange(width) < lens[:, None]]
+    free = pool.free().to("cpu", torch.int64)
+    h = hashlib.sha256()
+    for t in (rows, lens, flat, torch.sort(free).values):
+        h.update(t.numpy().tobytes())
+        h.update(b"|")
+    return h.hexdigest(), tokens, free
 
 
 def _longest_run(avail: torch.Tensor) -> int:
@@ -327,12 +344,13 @@ def plan(
     size = pool.size
     rows, lens = _rows_lens(rows, lens, "cpu")
     n = rows.numel()
-    width = max(int(lens.max()) if n else 0, 1)
-    tokens = pool.req_to_token[rows.to(pool.req_to_token.device), :width].to("cpu", torch.int64)
-    mask = torch.arange(width) < lens[:, None]
-    flat = tokens[mask]
+    uniq, counts = torch.unique(rows, return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(f"rows must be distinct, but row {int(uniq[counts > 1][0])} appears more than once")
+    digest, tokens, free = _pool_state(pool, rows, lens)
+    width = tokens.shape[1]
+    flat = tokens[torch.arange(width) < lens[:, None]]
     who = torch.repeat_interleave(torch.arange(n), lens)
-    free = pool.free().to("cpu", torch.int64)
 
     if ((flat < 1) | (flat > size)).any() or ((free < 1) | (free > size)).any():
         raise ValueError(f"pool bookkeeping holds slots outside 1..{size}")
@@ -356,9 +374,9 @@ def plan(
         order = torch.argsort(-runs, stable=True)
         chosen = [int(rows[k]) for k in order.tolist() if runs[k] >= min_runs]
     else:
-        chosen = [int(r) for r in requests]
+        chosen = list(dict.fromkeys(int(r) for r in requests))  # a row named twice is planned once
 
-    out = DefragPlan()
+    out = DefragPlan(basis=(rows, lens, digest))
     per_slot = sum(_slot_bytes(g) for g in pool.kv_groups)
     src, dst, old = [], [], []
     budget = math.inf if byte_budget is None else byte_budget
@@ -416,18 +434,18 @@ def plan(
 
 def apply(pool: Pool, p: DefragPlan) -> None:
     """Enqueue the plan's copy on the current stream, then update ``req_to_token`` and the
-    free list. Raises (changing nothing) if the pool moved on since :func:`plan`."""
+    free list. Raises (changing nothing) if the requests, their slots or the free list moved
+    on since :func:`plan` (a request finished or grew, a slot was allocated or freed)."""
     if not p.compacted:
         return
+    basis_rows, basis_lens, digest = p.basis
+    if _pool_state(pool, basis_rows, basis_lens)[0] != digest:
+        raise ValueError("defrag plan is stale: the requests' slots or the free list changed since plan()")
     rtt = pool.req_to_token
     dev = rtt.device
     lens = torch.tensor(p.lens)
     rows = torch.repeat_interleave(torch.tensor(p.compacted), lens)
     cols = torch.cat([torch.arange(n) for n in p.lens])
-    if not torch.equal(rtt[rows.to(dev), cols.to(dev)].to("cpu", torch.int64), p.old_slots):
-        raise ValueError("defrag plan is stale: a planned request's slots changed since plan()")
-    if not bool(torch.isin(p.taken, pool.free().to("cpu", torch.int64)).all()):
-        raise ValueError("defrag plan is stale: a target slot is no longer free")
     if p.moved_slots:
         src, dst = p.src.to(dev), p.dst.to(dev)
         for layers in pool.kv_groups:

@@ -485,16 +485,20 @@ def _fake(name: str):
 
 def _merge_state_math(v_a, s_a, v_b, s_b):
     acc = torch.promote_types(v_a.dtype, torch.float32)
+    invalid = torch.isnan(s_a) | torch.isnan(s_b) | (s_a == math.inf) | (s_b == math.inf)
+    s_a, s_b = torch.where(invalid, -math.inf, s_a), torch.where(invalid, -math.inf, s_b)
     m = torch.maximum(s_a, s_b)
-    finite = m > -math.inf
-    m0 = torch.where(finite, m, torch.zeros_like(m))
-    w_a = torch.where(finite, torch.exp(s_a - m0), torch.zeros_like(m))
-    w_b = torch.where(finite, torch.exp(s_b - m0), torch.zeros_like(m))
+    m0 = torch.where(m > -math.inf, m, torch.zeros_like(m))
+    w_a, w_b = torch.exp(s_a - m0), torch.exp(s_b - m0)  # exactly 0 for an empty partial
     total = w_a + w_b
     inv = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
-    v = (v_a.to(acc) * (w_a * inv)[..., None] + v_b.to(acc) * (w_b * inv)[..., None]).to(v_a.dtype)
+
+    def term(v, w):  # an empty partial's values are never read: they may be anything
+        return torch.where((w > 0)[..., None], v.to(acc) * (w * inv)[..., None], torch.zeros((), dtype=acc))
+
+    v = torch.where(invalid[..., None], torch.full((), math.nan, dtype=acc), term(v_a, w_a) + term(v_b, w_b))
     s = torch.where(total > 0, m0 + torch.log(total), torch.full_like(m, -math.inf))
-    return v, s.to(s_a.dtype)
+    return v.to(v_a.dtype), torch.where(invalid, math.nan, s).to(s_a.dtype)
 
 
 def _check_merge_args(v_a, s_a, v_b, s_b):
@@ -554,6 +558,10 @@ def merge_state(
         Attention output over the union of both key sets (zeros where both are empty).
     s : Tensor [T, H], float32
         Its log-sum-exp (``-inf`` where both are empty).
+
+    Non-finite log-sum-exps, identically on CPU and CUDA: ``-inf`` marks an empty partial,
+    whose values are never read (they may be anything); a NaN or ``+inf`` in either partial
+    makes that row's ``v`` and ``s`` NaN. NaN values of a non-empty partial propagate.
     """
     _cuda_kernels_for(v_a)
     return torch.ops.kdtree.merge_state(v_a, s_a, v_b, s_b)
@@ -1349,6 +1357,28 @@ def _check_move_slots(src, dst, slots: int, disjoint: bool) -> None:
             )
 
 
+def _distinct_layers(kv_layers) -> list:
+    """The buffers to move, each once: a tensor listed twice is one buffer (moving it twice
+    would move moved rows); buffers that share memory in any other way are refused by name."""
+    seen, spans, out = set(), [], []
+    for i, kv in enumerate(kv_layers):
+        key = (kv.data_ptr(), tuple(kv.shape), tuple(kv.stride()), kv.dtype)
+        if key in seen:
+            continue
+        lo = kv.data_ptr()
+        hi = lo + max(kv.shape[0] - 1, 0) * kv.stride(0) * kv.element_size() + _row_bytes(kv)
+        for j, (a, b) in spans:
+            if lo < b and a < hi and kv.shape[0] and kv_layers[j].shape[0]:
+                raise RuntimeError(
+                    f"kdtree: kv_layers[{i}] shares memory with kv_layers[{j}]; a buffer may appear twice only "
+                    "as the identical tensor"
+                )
+        seen.add(key)
+        spans.append((i, (lo, hi)))
+        out.append(kv)
+    return out
+
+
 @_define("move_kv(Tensor(a!)[] kv_layers, Tensor src_slots, Tensor dst_slots, *, bool disjoint=False) -> ()")
 def _move_kv_cpu(kv_layers, src_slots, dst_slots, disjoint=False):
     _check_move_args(kv_layers, src_slots, dst_slots)
@@ -1357,7 +1387,7 @@ def _move_kv_cpu(kv_layers, src_slots, dst_slots, disjoint=False):
     _check_move_slots(src_slots, dst_slots, kv_layers[0].shape[0], disjoint)
     live = (src_slots >= 0) & (dst_slots >= 0)
     src, dst = src_slots[live], dst_slots[live]
-    for kv in kv_layers:
+    for kv in _distinct_layers(kv_layers):
         # Indexing with dtype views keeps fp8 (and other exotic dtypes) byte-exact.
         rows = kv.view(torch.uint8) if kv.element_size() == 1 else kv
         rows[dst] = rows[src]  # rows[src] is a gathered copy: every read precedes every write

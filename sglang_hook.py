@@ -718,6 +718,13 @@ def _defrag_refusal(backend) -> Optional[str]:
         return "needs --disable-overlap-schedule (the overlapped scheduler allocates slots during the step)"
     if getattr(backend, "page_size", 1) != 1:
         return "needs page size 1"
+    algorithm = str(getattr(args, "speculative_algorithm", None) or "").upper()
+    drafts = [b for b in list(_STATE.backends) if getattr(b, "is_draft_runner", False)
+              and getattr(b, "req_to_token_pool", None) is backend.req_to_token_pool]
+    if algorithm not in ("", "NONE", "NGRAM") and not drafts:
+        return (f"cannot see the {algorithm} draft model's KV pool (it shares the request table, but its attention "
+                "backend is not TritonAttnBackend or was built before the hook); moving only the target's KV "
+                "would corrupt the draft's")
     return None
 
 

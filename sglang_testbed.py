@@ -40,14 +40,14 @@ MLA_QK, MLA_V = 576, 512
 
 
 def publish_server(device: str, *, algorithm: str = "EAGLE", num_draft_tokens: int = 4, topk: int = 2,
-                   steps: int = 3) -> None:
+                   steps: int = 3, **server_args) -> None:
     """Publish the server arguments SGLang's backends read at construction (call
-    ``reset_context()`` when done)."""
+    ``reset_context()`` when done); ``server_args`` go to ``ServerArgs`` as they are."""
     reset_context()
     spec = dict(speculative_algorithm=algorithm, speculative_num_draft_tokens=num_draft_tokens)
     if algorithm == "EAGLE":
         spec.update(speculative_eagle_topk=topk, speculative_num_steps=steps)
-    publish(ServerArgs(model_path="dummy", device=device, attention_backend="triton", **spec),
+    publish(ServerArgs(model_path="dummy", device=device, attention_backend="triton", **spec, **server_args),
             role="test", ranks=SpawnRanks(world_rank=0, dp_rank=None))
 
 

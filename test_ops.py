@@ -224,6 +224,32 @@ def test_merge_state_empty_partials():
     assert torch.isfinite(v).all()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("inplace", [False, True])
+def test_merge_state_non_finite(device, inplace):
+    """NaN or +inf lse in either partial: that row is NaN (never a silently dropped partial);
+    -inf is an empty partial whose values are never read; NaN values of a live partial
+    propagate. Identical on CPU and CUDA."""
+    v_a, s_a, v_b, s_b = merge_inputs(6, 1, 8, torch.float32, device, empty_frac=0.0)
+    s_a[0, 0] = math.nan
+    s_b[1, 0] = math.inf
+    s_a[2, 0], v_a[2, 0] = -math.inf, math.nan
+    v_b[3, 0, 0] = math.nan
+    s_a[4, 0] = s_b[4, 0] = -math.inf
+    v_a[4, 0] = v_b[4, 0] = math.nan
+    want_vb2, want_sb2 = v_b[2, 0].clone(), s_b[2, 0].clone()
+    if inplace:
+        kdtree_ops.merge_state_(v_a, s_a, v_b, s_b)
+        v, s = v_a, s_a
+    else:
+        v, s = kdtree_ops.merge_state(v_a, s_a, v_b, s_b)
+    assert torch.isnan(v[:2]).all() and torch.isnan(s[:2]).all()
+    assert torch.allclose(v[2, 0], want_vb2) and s[2, 0] == want_sb2
+    assert torch.isnan(v[3, 0, 0]) and torch.isfinite(v[3, 0, 1:]).all() and torch.isfinite(s[3, 0])
+    assert torch.all(v[4, 0] == 0) and s[4, 0] == -math.inf
+    assert torch.isfinite(v[5]).all() and torch.isfinite(s[5]).all()
+
+
 @needs_gpu
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("T,H,D", MERGE_SHAPES)
@@ -1156,6 +1182,22 @@ def test_move_kv_chains_cycles_and_many_layers(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_move_kv_same_buffer_twice(device):
+    """A buffer listed twice is moved once (all reads still before any write); buffers that
+    share memory otherwise are refused by name."""
+    kv = torch.arange(8, dtype=torch.float32, device=device)[:, None].repeat(1, 4)
+    want = kv.clone()
+    src = torch.tensor([1, 2], device=device)
+    dst = torch.tensor([2, 1], device=device)  # a swap: moving twice would undo it
+    kdtree_ops.move_kv([kv, kv], src, dst)
+    want[[2, 1]] = want[[1, 2]]
+    assert torch.equal(kv, want)
+    base = torch.randn(40, device=device)
+    with pytest.raises(RuntimeError, match=r"kv_layers\[1\] shares memory with kv_layers\[0\]"):
+        kdtree_ops.move_kv([base[:32].view(8, 4), base[2:34].view(8, 4)], src, dst)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_move_kv_check_mode(device, monkeypatch):
     monkeypatch.setenv("KDTREE_CHECK", "1")
     kv = kv_pool(10, (8,), torch.bfloat16, 2, device)
@@ -1492,6 +1534,49 @@ def test_defrag_refuses_without_room_and_changes_nothing():
     sim.check()
 
 
+@pytest.mark.parametrize("kind", ["tensor", "sglang-sort", "sglang-nosort"])
+def test_defrag_refuses_a_stale_plan(kind):
+    """A plan made before a request finished (its slots freed) or before any allocation is
+    refused by apply, which then changes nothing: no slot freed twice, none leaked."""
+    g = torch.Generator().manual_seed(5)
+    sim = PoolSim(kind, "cpu", size=40, gen=g)
+    for row in (1, 2, 3, 1, 2, 3):
+        sim.extend(row, 3)
+    rows, lens = sim.live()
+    p = defrag.plan(sim.pool, rows, lens, requests=[1], byte_budget=None)
+    assert p.compacted == [1]
+    sim.finish(1)  # the planned request ends before the plan is applied
+    before = sim.snapshot()
+    with pytest.raises(ValueError, match="stale"):
+        defrag.apply(sim.pool, p)
+    after = sim.snapshot()
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+    sim.check()
+    rows, lens = sim.live()
+    p = defrag.plan(sim.pool, rows, lens, requests=[2], byte_budget=None)
+    sim.extend(3, 1)  # any allocation in between also makes it stale
+    with pytest.raises(ValueError, match="stale"):
+        defrag.apply(sim.pool, p)
+    sim.check()
+
+
+def test_defrag_duplicate_requests_and_rows():
+    """A row named twice in ``requests`` is planned once (bytes counted once); a row listed
+    twice among the live requests is refused by name."""
+    g = torch.Generator().manual_seed(6)
+    sim = PoolSim("tensor", "cpu", size=48, gen=g)
+    for row in (1, 2, 1, 2):
+        sim.extend(row, 4)
+    rows, lens = sim.live()
+    once = defrag.plan(sim.pool, rows, lens, requests=[1], byte_budget=None)
+    twice = defrag.plan(sim.pool, rows, lens, requests=[1, 1], byte_budget=None)
+    assert twice.compacted == [1] and twice.bytes == once.bytes and not twice.skipped
+    defrag.apply(sim.pool, twice)
+    sim.check()
+    with pytest.raises(ValueError, match="row 2 appears more than once"):
+        defrag.plan(sim.pool, rows + [2], lens + [lens[1]])
+
+
 def test_defrag_budget_and_pinned():
     g = torch.Generator().manual_seed(4)
     sim = PoolSim("tensor", "cpu", size=64, gen=g)
@@ -1559,10 +1644,11 @@ def sgl(monkeypatch):
     reset_context()
 
 
-def hook_server(tbd, device, kind="eagle_tree", *, N=6, steps=3, heads=4, layers=2, dtype=None, **runner_kw):
+def hook_server(tbd, device, kind="eagle_tree", *, N=6, steps=3, heads=4, layers=2, dtype=None, server_args=None,
+                **runner_kw):
     algorithm, topk = HOOK_KINDS[kind]
     steps = N - 1 if topk == 1 else steps  # an EAGLE chain has one draft token per step
-    tbd.publish_server(device, algorithm=algorithm, num_draft_tokens=N, topk=topk, steps=steps)
+    tbd.publish_server(device, algorithm=algorithm, num_draft_tokens=N, topk=topk, steps=steps, **(server_args or {}))
     dtype = dtype or (torch.float16 if device == "cpu" else torch.bfloat16)
     runner = tbd.Runner(device=device, dtype=dtype, heads=heads, layers=layers, num_tokens_per_req=N,
                         pool_size=runner_kw.pop("pool_size", 1024), max_context=runner_kw.pop("max_context", 256),
@@ -1923,6 +2009,47 @@ def test_hook_ddtree_and_defrag_status(sgl, caplog, monkeypatch):
     with caplog.at_level(_logging.WARNING, logger="kdtree_ops"):
         sglang_hook._maybe_defrag(srv.runner.backend, step.fb)  # the test's server args keep the radix cache
     assert "defrag off" in caplog.text and "radix" in caplog.text
+
+
+@pytest.mark.parametrize("draft_seen", [True, False])
+def test_hook_defrag_moves_target_and_draft_kv(sgl, monkeypatch, caplog, draft_seen):
+    """KDTREE_DEFRAG=1 with a DFlash target and draft sharing the request table: defrag
+    rewrites the table and moves the KV of both pools, so every request reads the same bytes
+    from each; when the draft's backend was not seen, defrag stays off and says why."""
+    monkeypatch.setenv("KDTREE_DEFRAG", "1")
+    monkeypatch.setenv("KDTREE_DEFRAG_EVERY", "1")
+    if draft_seen:
+        sglang_hook.install("on")
+    srv = hook_server(sgl, "cpu", "dflash", server_args=dict(disable_radix_cache=True, disable_overlap_schedule=True))
+    target = srv.runner
+    draft = sgl.Runner(device="cpu", dtype=target.dtype, heads=2, layers=2, num_tokens_per_req=srv.N, mla=False,
+                       head_dim=32, draft_of=target)
+    sglang_hook.install("on")
+    g = torch.Generator().manual_seed(9)
+    target.fill(g)
+    draft.fill(g)
+    prefix_lens = [40, 25, 60]
+    step = sgl.verify_step(target, prefix_lens, hook_spec(srv, prefix_lens, g), generator=g)
+    table = target.req_to_token_pool.req_to_token
+
+    def read_all():
+        out = []
+        for b, (row, n) in enumerate(zip(step.rows.tolist(), prefix_lens)):
+            slots = table[row, :n].long()
+            out.append([buf[slots].clone() for buf in target.kv_pool.kv_buffer + draft.kv_pool.k_buffer + draft.kv_pool.v_buffer])
+        return out
+
+    before, runs_before = read_all(), defrag.fragmentation(table, step.rows, prefix_lens)
+    with caplog.at_level(_logging.INFO, logger="kdtree_ops"):
+        target.backend.init_forward_metadata(step.fb)
+    runs_after = defrag.fragmentation(table, step.rows, prefix_lens)
+    for got, want in zip(read_all(), before):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    if draft_seen:
+        assert "defrag at verify step 1" in caplog.text and "over 2 pools" in caplog.text
+        assert (runs_after < runs_before).all() and (runs_after == 1).any()
+    else:
+        assert "draft model's KV pool" in caplog.text and torch.equal(runs_after, runs_before)
 
 
 def test_import_touches_no_cuda(tmp_path):

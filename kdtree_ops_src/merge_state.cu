@@ -22,10 +22,12 @@ __global__ void merge_state_kernel(const T* __restrict__ va, const float* __rest
   const int64_t t = row / heads, h = row - t * heads;
 
   const float a = sa[t * la.st + h * la.sh], b = sb[t * lb.st + h * lb.sh];
+  // NaN or +inf in either lse: the row is NaN (never a silently dropped partial). -inf is an
+  // empty partial: weight 0 and its values never read, so uninitialised ones cannot leak in.
+  const bool invalid = isnan(a) || isnan(b) || a == INFINITY || b == INFINITY;
   const float m = fmaxf(a, b);
-  // Both partials empty (-inf): weights 0, value 0, lse -inf, never NaN.
-  const float wa = m == -INFINITY ? 0.f : __expf(a - m);
-  const float wb = m == -INFINITY ? 0.f : __expf(b - m);
+  const float wa = a == -INFINITY ? 0.f : __expf(a - m);
+  const float wb = b == -INFINITY ? 0.f : __expf(b - m);
   const float sum = wa + wb;
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
 
@@ -41,13 +43,16 @@ __global__ void merge_state_kernel(const T* __restrict__ va, const float* __rest
     fb[0] = to_float(*pb);
   }
 #pragma unroll
-  for (int i = 0; i < N; ++i) fo[i] = (wa * fa[i] + wb * fb[i]) * inv;
+  for (int i = 0; i < N; ++i) {
+    const float x = (wa > 0.f ? wa * fa[i] : 0.f) + (wb > 0.f ? wb * fb[i] : 0.f);
+    fo[i] = invalid ? NAN : x * inv;
+  }
   if constexpr (kVec) {
     *reinterpret_cast<uint4*>(po) = Vec<T>::from_float(fo);
   } else {
     *po = from_float<T>(fo[0]);
   }
-  if (col == 0) so[t * lo.st + h * lo.sh] = sum > 0.f ? m + __logf(sum) : -INFINITY;
+  if (col == 0) so[t * lo.st + h * lo.sh] = invalid ? NAN : sum > 0.f ? m + __logf(sum) : -INFINITY;
 }
 
 void check_pair(const at::Tensor& v, const at::Tensor& s, const char* vname, const char* sname,

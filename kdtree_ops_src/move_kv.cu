@@ -11,6 +11,8 @@
 #include <cctype>
 #include <cstdlib>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace kdtree {
 namespace {
@@ -167,6 +169,35 @@ void launch_rows(const LayerTable& in, const LayerTable& out, int layers, const 
   }
 }
 
+// The buffers to move, each once: a tensor listed twice is one buffer (a second pass would
+// move moved rows); buffers sharing memory any other way are refused by name.
+std::vector<at::Tensor> distinct_layers(at::TensorList kv_layers) {
+  std::vector<at::Tensor> out;
+  std::vector<std::pair<uintptr_t, uintptr_t>> spans;
+  std::vector<size_t> index;
+  for (size_t i = 0; i < kv_layers.size(); ++i) {
+    const at::Tensor& kv = kv_layers[i];
+    bool same = false;
+    for (const at::Tensor& o : out) {
+      same = same || (o.data_ptr() == kv.data_ptr() && o.sizes() == kv.sizes() &&
+                      o.strides() == kv.strides() && o.scalar_type() == kv.scalar_type());
+    }
+    if (same) continue;
+    const auto lo = reinterpret_cast<uintptr_t>(kv.data_ptr());
+    const uintptr_t hi = kv.dim() == 0 || kv.size(0) == 0 ? lo
+        : lo + static_cast<uintptr_t>(((kv.size(0) - 1) * kv.stride(0) + kv[0].numel()) * kv.element_size());
+    for (size_t j = 0; j < spans.size(); ++j) {
+      KD_CHECK(!(lo < spans[j].second && spans[j].first < hi), "kv_layers[", i,
+               "] shares memory with kv_layers[", index[j],
+               "]; a buffer may appear twice only as the identical tensor");
+    }
+    spans.emplace_back(lo, hi);
+    index.push_back(i);
+    out.push_back(kv);
+  }
+  return out;
+}
+
 void move_kv(at::TensorList kv_layers, const at::Tensor& src_slots, const at::Tensor& dst_slots,
              bool disjoint) {
   check_index(src_slots, "src_slots");
@@ -181,6 +212,7 @@ void move_kv(at::TensorList kv_layers, const at::Tensor& src_slots, const at::Te
   KD_CHECK(src_slots.is_cuda(), "src_slots must be a CUDA tensor, got device ", src_slots.device());
   check_cuda(dst_slots, "dst_slots", src_slots);
   if (kv_layers.empty()) return;
+  const std::vector<at::Tensor> layers_once = distinct_layers(kv_layers);
   const at::Tensor& first = kv_layers[0];
   KD_CHECK(first.dim() >= 1, "kv_layers[0] must be [S, ...], got a scalar");
   const int64_t slots = first.size(0);
@@ -212,7 +244,7 @@ void move_kv(at::TensorList kv_layers, const at::Tensor& src_slots, const at::Te
   AT_DISPATCH_INDEX_TYPES(src.scalar_type(), "move_kv", [&] {
     if (check_mode()) validate_slots<index_t>(src, dst, slots, disjoint);
     if (row_bytes == 0 || slots == 0) return;
-    const int64_t layers = static_cast<int64_t>(kv_layers.size());
+    const int64_t layers = static_cast<int64_t>(layers_once.size());
     const int64_t per_layer = pairs * row_bytes;
     const int64_t chunk = disjoint ? std::min<int64_t>(layers, kMaxLayers)
                                    : std::clamp<int64_t>(kScratchBytes / per_layer, 1,
@@ -223,7 +255,7 @@ void move_kv(at::TensorList kv_layers, const at::Tensor& src_slots, const at::Te
       const int n = static_cast<int>(std::min<int64_t>(layers - l0, chunk));
       LayerTable kv{}, tmp{};
       for (int l = 0; l < n; ++l) {
-        const at::Tensor& t = kv_layers[l0 + l];
+        const at::Tensor& t = layers_once[l0 + l];
         kv.base[l] = static_cast<char*>(t.data_ptr());
         kv.stride[l] = t.stride(0) * t.element_size();
         if (!disjoint) {
