@@ -1374,9 +1374,9 @@ def _accept_retrieve_cpu(next_token, next_sibling, candidates, target_tokens, ma
         path = [0]
         while len(path) <= max_depth:
             want, child = tgt[b][path[-1]], nxt[b][path[-1]]
-            while child != -1 and cand[b][child] != want:
+            while 0 <= child < D and cand[b][child] != want:
                 child = sib[b][child]
-            if child == -1:
+            if not 0 <= child < D:  # -1, or an index past the tree: no child carries `want`
                 break
             path.append(child)
         accepted[b, : len(path)] = torch.tensor(path, dtype=torch.int32)
@@ -1412,8 +1412,9 @@ def accept_retrieve(
 
     From the root, up to ``max_depth`` times: walk the current node's children through
     ``next_token`` / ``next_sibling`` and move to the first whose candidate token equals the
-    target's token at the current node; stop when none does. The retrieve index is taken to be
-    ``b * D + i`` (as DDTree builds it), so slots are flat node indices.
+    target's token at the current node; stop when none does (a child index outside [0, D) ends a
+    sibling list like -1). The retrieve index is taken to be ``b * D + i`` (as DDTree builds it),
+    so slots are flat node indices.
 
     Parameters
     ----------
