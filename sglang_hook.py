@@ -22,6 +22,10 @@ KDTREE_DEFRAG_BUDGET_MB, KDTREE_DEFRAG_EVERY
                       bytes defrag may copy per call (default 256) and steps between calls
                       (default 16).
 
+With SGLang's DDTree (PR #29907) present, its tree build, EAGLE-format conversion, flat verify
+mask and greedy acceptance are replaced by kdtree_ops ops with identical results (section
+"DDTree" below); without it nothing of that is patched.
+
 Every process that should be hooked has to import kdtree_ops (which installs the hook when
 KDTREE_VERIFY is set): SGLang starts one scheduler process per TP rank, so put
 ``import kdtree_ops`` in a ``sitecustomize.py`` on the servers' PYTHONPATH. The patch is

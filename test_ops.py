@@ -2080,7 +2080,7 @@ def test_ddtree_build_matches_pr_many(pr, ddtree_hook, monkeypatch, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_ddtree_spine_mode_mask_and_verify_match_pr(pr, ddtree_hook, device):
+def test_ddtree_spine_mode_mask_and_verify_match_pr(pr, ddtree_hook, caplog, device):
     """Spine mode (budget <= L): the worker builds a chain itself (untouched); its mask and
     verify still go through the hook."""
     from sglang.srt.layers.logits_processor import LogitsProcessorOutput
@@ -2121,6 +2121,9 @@ def test_ddtree_spine_mode_mask_and_verify_match_pr(pr, ddtree_hook, device):
     assert_same_round(results[1], results[0])
     assert results[0].vi.accepted_indices == [list(range(D)), [0, 1, 2, 3], [0]]
     assert counters.ours["_build_flat_tree_mask"] == counters.ours["verify"] == 1
+    with caplog.at_level(_logging.INFO, logger="kdtree_ops"):
+        sglang_hook._log_summary()  # the periodic line, as a verify step would trigger it
+    assert "DDTree calls so far" in caplog.text and "verify 1 on kdtree_ops / 0 on the PR's code" in caplog.text
 
 
 def test_ddtree_validate_returns_pr_result_and_counts_mismatches(pr, ddtree_hook, monkeypatch, caplog):
