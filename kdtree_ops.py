@@ -1584,6 +1584,15 @@ def _selfcheck_cases(device: str):
         return kv
 
     cases["move_kv"] = (moved, [layers, src, dst])
+
+    lp, tok = draft_topk(torch.randn(3, 7, 500, generator=g) * 3, 6)
+    cases["sglang_build_tree"] = (lambda a: sglang_build_tree(a[0], a[1], 40), [lp.to(device), tok.to(device)])
+    tree = sglang_build_tree(lp, tok, 40)
+    par = tree.parents.int()
+    _, _, _, first_child, sibling = torch.ops.kdtree.verify_metadata(torch.zeros_like(par), par, torch.zeros(3, dtype=torch.int32), True)
+    cand = torch.cat((tok[:, :1, 0], tree.node_tokens), 1)
+    target = cand[:, torch.randperm(41, generator=g)]  # draft tokens in random places: some paths accepted
+    cases["accept_retrieve"] = (lambda a: accept_retrieve(*a, 7), [t.to(device) for t in (first_child, sibling, cand, target)])
     return cases
 
 
