@@ -355,6 +355,138 @@ def test_bench_verify_attn_defrag_effect(benchmark):
     verify_attn_defrag_effect(benchmark)
 
 
+# ---- DDTree step: the PR's own code vs the same calls through the hook ----
+
+
+def ddtree_step(pr, calls, batch, logits, verified, budget, target_logits, hidden):
+    """One full-tree DDTree step as the worker runs it, minus the model forwards: tree build,
+    verify ids/positions, EAGLE format, flat mask, the worker's tree_is_spine line (which reads
+    child_maps), then verify with its KV commit. Returns (prepare ms, verify ms, round) by CUDA
+    events, so host work and syncs count; prepare_for_verify (slot allocation, the same in both)
+    runs between the halves untimed."""
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from test_ops import tree_buffers
+
+    dev, (bs, L, V), D = batch.device, logits.shape, budget + 1
+    bufs = tree_buffers(bs, budget, dev)
+    worker = object.__new__(pr.worker.DDTreeWorker)  # the mask method reads only max_tree_nodes
+    worker.max_tree_nodes = D
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    torch.cuda.synchronize()
+    events[0].record()
+    tree = calls.build(draft_logits=logits, tree_budget=budget, device=dev, **bufs)
+    node_token_ids, node_depths, parents, child_maps, visibility, sizes = tree
+    ids = torch.zeros(bs, D, dtype=torch.long, device=dev)
+    ids[:, 0] = verified
+    ids[:, 1:] = node_token_ids
+    pos = torch.zeros(bs, D, dtype=torch.long, device=dev)
+    pos[:, 0] = batch.seq_lens
+    pos[:, 1:] = batch.seq_lens.unsqueeze(1) + node_depths
+    retrieve = calls.eagle_format(parents=parents, actual_tree_sizes=sizes, draft_token_num=D, device=dev)
+    mask = calls.flat_mask(worker, batch=batch, visibility=visibility, actual_tree_sizes=sizes)
+    spine = all(all(len(c) <= 1 for c in cm.values()) for cm in child_maps)
+    events[1].record()
+    vi = pr.info.DDTreeVerifyInput(
+        draft_token=ids.reshape(-1), positions=pos.reshape(-1), draft_token_num=D, tree_budget=budget,
+        child_maps=child_maps, actual_tree_sizes=sizes, custom_mask=mask, tree_is_spine=spine, topk=2,
+        spec_steps=budget, retrive_index=retrieve[0], retrive_next_token=retrieve[1], retrive_next_sibling=retrieve[2])
+    vi.prepare_for_verify(batch, 1)
+    batch.forward_mode = ForwardMode.TARGET_VERIFY
+    lo = LogitsProcessorOutput(next_token_logits=target_logits, hidden_states=hidden)
+    torch.cuda.synchronize()
+    events[2].record()
+    out = calls.verify(vi, batch=batch, logits_output=lo, page_size=1, model_runner=object())
+    events[3].record()
+    events[3].synchronize()
+    import types
+
+    round_ = types.SimpleNamespace(tree=tree, retrieve=retrieve, mask=mask, spine=spine, vi=vi, out=out, batch=batch)
+    return events[0].elapsed_time(events[1]), events[2].elapsed_time(events[3]), round_
+
+
+@pytest.mark.parametrize("context", [4096, 32768])
+@pytest.mark.parametrize("budget", [64, 256, 512])
+@pytest.mark.parametrize("bs", [1, 8, 32])
+def test_bench_ddtree_step(benchmark, bs, budget, context):
+    """A DDTree step (L = 15, vocab 32000, peaked drafts) with SGLang PR #29907's functions vs
+    through the hook (KDTREE_VERIFY=on), same inputs, same results (checked); median of reps.
+    Needs SGLang with the PR importable; skipped otherwise."""
+    pytest.importorskip("sglang")
+    try:
+        from sglang.srt.speculative import ddtree_info, ddtree_utils, ddtree_worker, eagle_utils
+    except ImportError as e:
+        pytest.skip(f"SGLang's DDTree (PR #29907) is not importable: {e}")
+    import types
+
+    import sglang.kernels.ops.speculative.spec_tree as spec_tree
+    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    import sglang_hook
+    from test_ops import assert_same_round, ddtree_batch, ddtree_logits, ddtree_targets
+
+    sglang_hook.uninstall()
+    original = lambda f: getattr(f, "_kdtree_original", f)
+    pr = types.SimpleNamespace(utils=ddtree_utils, info=ddtree_info, worker=ddtree_worker)
+    pr_calls = types.SimpleNamespace(
+        build=original(ddtree_utils.build_ddtree_tree), eagle_format=original(ddtree_utils.build_eagle_tree_format),
+        flat_mask=original(ddtree_worker.DDTreeWorker._build_flat_tree_mask), verify=original(ddtree_info.DDTreeVerifyInput.verify))
+    hooked = types.SimpleNamespace(
+        build=lambda **kw: ddtree_worker.build_ddtree_tree(**kw),
+        eagle_format=lambda **kw: ddtree_worker.build_eagle_tree_format(**kw),
+        flat_mask=lambda worker, **kw: worker._build_flat_tree_mask(**kw), verify=lambda vi, **kw: vi.verify(**kw))
+    L, V, D = 15, 32000, budget + 1
+    g = torch.Generator().manual_seed(bs * 7 + budget)
+    logits = ddtree_logits(bs, L, V, "peaked", g).cuda()
+    verified = torch.randint(0, V, (bs,), generator=g).cuda()
+    prefix = [context - 17 * b for b in range(bs)]
+    hidden = torch.randn(bs * D, 256, device="cuda", dtype=torch.bfloat16)
+
+    reset_context()
+    publish(ServerArgs(model_path="dummy", device="cuda", attention_backend="triton"), role="test",
+            ranks=SpawnRanks(world_rank=0, dp_rank=None))
+    native_verify = eagle_utils.verify_tree_greedy_func
+    kernel = "SGLang's CUDA verify_tree_greedy"
+    try:
+        tree = pr_calls.build(draft_logits=logits, tree_budget=budget, device=torch.device("cuda"))
+        target = ddtree_targets(tree[2], tree[0], V, g, follow=0.9).cuda()
+        target_logits = torch.zeros(bs * D, V, device="cuda")
+        target_logits.scatter_(1, target.reshape(-1, 1), 10.0)
+        try:  # SGLang's own greedy tree-verify kernel needs its JIT toolchain; its Triton twin does not
+            ddtree_step(pr, pr_calls, ddtree_batch("cuda", prefix, D, V), logits, verified, budget, target_logits, hidden)
+        except Exception:
+            def verify_tree_greedy_func(*, predicts, accept_index, accept_token_num, topk=-1, **arrays):
+                spec_tree.verify_tree_greedy_triton(predicts, accept_index, accept_token_num, **arrays)
+                return predicts, accept_index, accept_token_num
+
+            eagle_utils.verify_tree_greedy_func = verify_tree_greedy_func
+            kernel = "SGLang's Triton verify_tree_greedy"
+
+        def timed(calls, reps):
+            ddtree_step(pr, calls, ddtree_batch("cuda", prefix, D, V), logits, verified, budget, target_logits, hidden)
+            runs = [ddtree_step(pr, calls, ddtree_batch("cuda", prefix, D, V), logits, verified, budget, target_logits,
+                                hidden) for _ in range(reps)]
+            return (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs), runs[-1][2])
+
+        pr_prep, pr_verify, theirs = timed(pr_calls, 5 if bs * budget >= 8192 else 10)
+        sglang_hook.install("on")
+        prep, verify, ours = timed(hooked, 20)
+        counters = sglang_hook._STATE.ddtree
+        assert counters.sglang == dict.fromkeys(sglang_hook.DDTREE_CALLS, 0), counters.summary()
+    finally:
+        sglang_hook.uninstall()
+        eagle_utils.verify_tree_greedy_func = native_verify
+        reset_context()
+    assert_same_round(ours, theirs)
+    accepted = statistics.mean(len(a) for a in theirs.vi.accepted_indices)
+    nodes = theirs.tree[5].float().mean().item()
+    report(benchmark, f"ddtree step bs={bs} B={budget} ctx={context}", prep + verify, pr_ms=pr_prep + pr_verify,
+           speedup=(pr_prep + pr_verify) / (prep + verify), prep_ms=prep, pr_prep_ms=pr_prep, verify_ms=verify,
+           pr_verify_ms=pr_verify, nodes=nodes, accepted=accepted, pr_verify_kernel=kernel)
+
+
 # ---- plot: python bench_ops.py plot BENCH_JSON OUT_PNG ----
 
 

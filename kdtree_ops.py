@@ -1137,7 +1137,7 @@ def _verify_metadata_fake(depths, parents, prefix_lens, retrieve):
     )
 
 
-def _check_flat_custom_mask_args(mask, prefix_lens, capacity):
+def _check_flat_custom_mask_args(mask, prefix_lens, capacity, num_nodes=None):
     torch._check(mask.dim() == 3, lambda: f"kdtree: mask must be [B, N, W], got {tuple(mask.shape)}")
     torch._check(mask.dtype == torch.int32, lambda: f"kdtree: mask must be int32, got {mask.dtype}")
     B, N, W = mask.shape
@@ -1148,21 +1148,29 @@ def _check_flat_custom_mask_args(mask, prefix_lens, capacity):
     torch._check(W == (N + 31) // 32, lambda: f"kdtree: mask must have {(N + 31) // 32} words per row (dim 2), got {W}")
     _check_prefix_lens(prefix_lens, B)
     torch._check(capacity >= 0, lambda: f"kdtree: capacity must be >= 0, got {capacity}")
+    if num_nodes is not None:
+        torch._check(
+            num_nodes.dtype in (torch.int32, torch.int64),
+            lambda: f"kdtree: num_nodes must be int32 or int64, got {num_nodes.dtype}",
+        )
+        torch._check(num_nodes.shape == (B,), lambda: f"kdtree: num_nodes must have shape ({B},), got {tuple(num_nodes.shape)}")
 
 
-@_define("flat_custom_mask(Tensor mask, Tensor prefix_lens, int capacity) -> (Tensor, Tensor)")
-def _flat_custom_mask_cpu(mask, prefix_lens, capacity):
-    _check_flat_custom_mask_args(mask, prefix_lens, capacity)
+@_define("flat_custom_mask(Tensor mask, Tensor prefix_lens, int capacity, Tensor? num_nodes=None) -> (Tensor, Tensor)")
+def _flat_custom_mask_cpu(mask, prefix_lens, capacity, num_nodes=None):
+    _check_flat_custom_mask_args(mask, prefix_lens, capacity, num_nodes)
     B, N, W = mask.shape
     j = torch.arange(N)
     bits = ((mask[:, :, j // 32] >> (j % 32)) & 1).bool()  # [B, N, N]
     lens = prefix_lens.to(torch.int64).clamp_min(0)
+    live = [N] * B if num_nodes is None else num_nodes.to(torch.int64).clamp(0, N).tolist()
     mask_indptr = torch.zeros(B + 1, dtype=torch.int64)
     mask_indptr[1:] = torch.cumsum(N * (lens + N), 0)
     out = torch.zeros(capacity, dtype=torch.bool)
-    for b, P in enumerate(lens.tolist()):
-        block = torch.ones(N, P + N, dtype=torch.bool)
-        block[:, P:] = bits[b]
+    for b, (P, n) in enumerate(zip(lens.tolist(), live)):
+        block = torch.zeros(N, P + N, dtype=torch.bool)
+        block[:n, :P] = True
+        block[:n, P : P + n] = bits[b, :n, :n]
         start = int(mask_indptr[b])
         end = min(start + block.numel(), capacity)
         if start < end:
@@ -1171,8 +1179,8 @@ def _flat_custom_mask_cpu(mask, prefix_lens, capacity):
 
 
 @_fake("flat_custom_mask")
-def _flat_custom_mask_fake(mask, prefix_lens, capacity):
-    _check_flat_custom_mask_args(mask, prefix_lens, capacity)
+def _flat_custom_mask_fake(mask, prefix_lens, capacity, num_nodes=None):
+    _check_flat_custom_mask_args(mask, prefix_lens, capacity, num_nodes)
     return mask.new_empty((capacity,), dtype=torch.bool), mask.new_empty((mask.shape[0] + 1,), dtype=torch.int64)
 
 
@@ -1296,6 +1304,347 @@ def accept_walk(
     depth = tree.parents.shape[1] - 1 if max_depth is None else max_depth
     _cuda_kernels_for(tree.parents)
     return torch.ops.kdtree.accept_walk(tree.parents, tree.tokens, target_tokens, depth)
+
+
+def flat_custom_mask(
+    mask: torch.Tensor, prefix_lens: torch.Tensor, capacity: int, num_nodes: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGLang's flat TARGET_VERIFY ``custom_mask`` from packed tree rows.
+
+    Parameters
+    ----------
+    mask : Tensor [B, N, ceil(N / 32)], int32, contiguous
+        Packed visibility rows (:class:`Tree`'s ``mask``, or :func:`pack_tree_mask` of bool rows).
+    prefix_lens : Tensor [B], int32 or int64
+        Tokens before the tree per request.
+    capacity : int
+        Entries of the output (a host int, so no sync); :func:`flat_mask_size` is the exact size.
+        A smaller capacity truncates, a larger one is padded with False.
+    num_nodes : Tensor [B], int32 or int64, optional
+        Live rows per request. Rows ``i >= num_nodes[b]`` are all False (their prefix columns too)
+        and so are tree columns ``j >= num_nodes[b]``: the layout of a padded tree whose unused
+        slots must see nothing. Default: every row is live.
+
+    Returns
+    -------
+    custom_mask : Tensor [capacity], bool
+        Request b's block starts at ``mask_indptr[b]``: N rows of ``prefix_len_b + N`` columns,
+        prefix columns True (live rows), then the tree row.
+    mask_indptr : Tensor [B + 1], int64
+    """
+    _cuda_kernels_for(mask)
+    return torch.ops.kdtree.flat_custom_mask(mask, prefix_lens, capacity, num_nodes)
+
+
+# ---- SGLang's DDTree (PR #29907): its tree, its acceptance ----
+#
+# SGLang's DDTree worker builds its trees with its own rules, which differ from build_tree's: a
+# float64 best-first heap whose children get a depth bonus, candidates off the all-rank-0 spine
+# pruned below the first score minus log(budget) minus a margin, and the result relabelled
+# breadth-first. sglang_build_tree reproduces those trees exactly (the hook swaps it in), and
+# accept_retrieve does its greedy acceptance on the EAGLE retrieve arrays the worker verifies with.
+
+
+class SGLangTree(NamedTuple):
+    """A batch of trees in the DDTree worker's layout (D = budget + 1 slots, node 0 the root).
+
+    Nodes 1 .. tree_sizes[b] - 1 are in breadth-first order: by depth, within a depth by the
+    parent's index, siblings in the order the heap created them.
+
+    Attributes
+    ----------
+    node_tokens : Tensor [B, budget], int64
+        Token of node i + 1; 0 past the tree.
+    node_depths : Tensor [B, budget], int64
+        Depth (1-based) of node i + 1; 0 past the tree.
+    parents : Tensor [B, D], int64
+        Parent node; -1 for the root and past the tree.
+    visibility : Tensor [B, D, D], bool
+        Node i sees node j (j is i or an ancestor of i); False past the tree.
+    tree_sizes : Tensor [B], int64
+        Nodes including the root.
+    """
+
+    node_tokens: torch.Tensor
+    node_depths: torch.Tensor
+    parents: torch.Tensor
+    visibility: torch.Tensor
+    tree_sizes: torch.Tensor
+
+
+def _sglang_tree_one(lp, tok, budget: int, depth_bonus: float, log_budget: float, stop_margin: float):
+    """One request's heap build and relabel; lp and tok are [L][K] Python lists, lp's floats the
+    float32 log-probs (exact as doubles), so every sum below is float64 as in the worker."""
+    L, K = len(lp), len(lp[0])
+    root_score = lp[0][0]
+    floor = root_score - log_budget - stop_margin
+    # Heap key: (-score, rank tuple). Rank tuples are unique, so nothing after them is compared.
+    heap = [(-root_score, (0,), 0, root_score)]
+    parent, depth, rank, children = [-1], [0], [0], [[]]
+    while heap and len(parent) <= budget:
+        _, ranks, p, score = heapq.heappop(heap)
+        d, r = len(ranks), ranks[-1]
+        if any(ranks) and score < floor:
+            continue  # pruned: off the spine and too unlikely; it spawns nothing
+        node = len(parent)
+        parent.append(p)
+        depth.append(d)
+        rank.append(r)
+        children.append([])
+        children[p].append(node)
+        if r + 1 < K:
+            s = score - lp[d - 1][r] + lp[d - 1][r + 1]
+            heapq.heappush(heap, (-s, ranks[:-1] + (r + 1,), p, s))
+        if d < L:
+            s = score + lp[d][0] + depth_bonus
+            heapq.heappush(heap, (-s, ranks + (0,), node, s))
+    order = [0]  # breadth-first: a queue that appends each node's children in creation order
+    for node in order:
+        order.extend(children[node])
+    new = {old: i for i, old in enumerate(order)}
+    return (
+        [tok[depth[o] - 1][rank[o]] for o in order[1:]],
+        [depth[o] for o in order[1:]],
+        [-1] + [new[parent[o]] for o in order[1:]],
+    )
+
+
+def _check_sglang_tree_args(topk_logprobs, topk_tokens, budget, chain, outs):
+    torch._check(topk_logprobs.dim() == 3, lambda: f"kdtree: topk_logprobs must be [B, L, K], got {tuple(topk_logprobs.shape)}")
+    torch._check(topk_logprobs.dtype == torch.float32, lambda: f"kdtree: topk_logprobs must be float32, got {topk_logprobs.dtype}")
+    torch._check(topk_tokens.dtype == torch.int64, lambda: f"kdtree: topk_tokens must be int64, got {topk_tokens.dtype}")
+    torch._check(
+        topk_tokens.shape == topk_logprobs.shape,
+        lambda: f"kdtree: topk_tokens must have shape {tuple(topk_logprobs.shape)} like topk_logprobs, got {tuple(topk_tokens.shape)}",
+    )
+    B, L, K = topk_logprobs.shape
+    torch._check(1 <= budget <= MAX_TREE_BUDGET, lambda: f"kdtree: budget must be in [1, {MAX_TREE_BUDGET}], got {budget}")
+    torch._check(1 <= L <= MAX_TREE_DEPTH, lambda: f"kdtree: topk_logprobs must have 1 to {MAX_TREE_DEPTH} positions (dim 1), got {L}")
+    torch._check(K >= 1, lambda: f"kdtree: topk_logprobs must have at least one rank (dim 2), got {K}")
+    torch._check(not chain or budget == L, lambda: f"kdtree: chain needs budget == L, got budget {budget}, L {L}")
+    D = budget + 1
+    shapes = ((B, budget), (B, budget), (B, D), (B, D, D), (B,))
+    dtypes = (torch.int64, torch.int64, torch.int64, torch.bool, torch.int64)
+    for name, t, shape, dtype in zip(SGLangTree._fields, outs, shapes, dtypes):
+        torch._check(tuple(t.shape) == shape, lambda: f"kdtree: {name} must have shape {shape}, got {tuple(t.shape)}")
+        torch._check(t.dtype == dtype, lambda: f"kdtree: {name} must be {dtype}, got {t.dtype}")
+        torch._check(t.device == topk_logprobs.device, lambda: f"kdtree: {name} must be on {topk_logprobs.device}, got {t.device}")
+
+
+@_define(
+    "sglang_build_tree_(Tensor topk_logprobs, Tensor topk_tokens, int budget, float depth_bonus, float log_budget, "
+    "float stop_margin, bool chain, Tensor(a!) node_tokens, Tensor(b!) node_depths, Tensor(c!) parents, "
+    "Tensor(d!) visibility, Tensor(e!) tree_sizes) -> ()"
+)
+def _sglang_build_tree_cpu(topk_logprobs, topk_tokens, budget, depth_bonus, log_budget, stop_margin, chain,
+                           node_tokens, node_depths, parents, visibility, tree_sizes):
+    outs = (node_tokens, node_depths, parents, visibility, tree_sizes)
+    _check_sglang_tree_args(topk_logprobs, topk_tokens, budget, chain, outs)
+    L = topk_logprobs.shape[1]
+    lp_all, tok_all = topk_logprobs.tolist(), topk_tokens.tolist()
+    for t in outs:
+        t.zero_()
+    parents.fill_(-1)
+    for b, (lp, tok) in enumerate(zip(lp_all, tok_all)):
+        if chain:  # the worker's budget == L shortcut: the rank-0 token at every position
+            tokens, depths, par = [row[0] for row in tok], list(range(1, L + 1)), list(range(-1, L))
+        else:
+            tokens, depths, par = _sglang_tree_one(lp, tok, budget, depth_bonus, log_budget, stop_margin)
+        n = len(par)
+        node_tokens[b, : n - 1] = torch.tensor(tokens, dtype=torch.int64)
+        node_depths[b, : n - 1] = torch.tensor(depths, dtype=torch.int64)
+        parents[b, :n] = torch.tensor(par, dtype=torch.int64)
+        vis = visibility[b]
+        for i in range(n):
+            if i:
+                vis[i, :i] = vis[par[i], :i]
+            vis[i, i] = True
+        tree_sizes[b] = n
+
+
+@_fake("sglang_build_tree_")
+def _sglang_build_tree_fake(topk_logprobs, topk_tokens, budget, depth_bonus, log_budget, stop_margin, chain,
+                            node_tokens, node_depths, parents, visibility, tree_sizes):
+    _check_sglang_tree_args(topk_logprobs, topk_tokens, budget, chain,
+                            (node_tokens, node_depths, parents, visibility, tree_sizes))
+
+
+def sglang_build_tree(
+    topk_logprobs: torch.Tensor,
+    topk_tokens: torch.Tensor,
+    budget: int,
+    *,
+    depth_bonus: float = 0.2,
+    stop_margin: float = 1.0,
+    chain: bool = False,
+    out: Optional[Sequence[torch.Tensor]] = None,
+) -> SGLangTree:
+    """Build every request's draft tree exactly as SGLang's DDTree worker does.
+
+    Best-first over candidates keyed by (float64 score descending, rank tuple ascending), from
+    the rank-0 token at depth 1 (score = its log-prob). Popping a candidate of rank tuple
+    ``(r_1, ..., r_d)`` with score s:
+
+    - skips it (it spawns nothing) if some r_i > 0 and ``s < lp[0, 0] - log_budget - stop_margin``
+      (float64, subtracted in that order);
+    - otherwise makes it the next node, then adds its next sibling ``(..., r_d + 1)`` with score
+      ``s - lp[d-1, r_d] + lp[d-1, r_d + 1]`` (if r_d + 1 < K) and its first child
+      ``(..., r_d, 0)`` with score ``s + lp[d, 0] + depth_bonus`` (if d < L),
+
+    until ``budget`` nodes or no candidates are left; then the nodes are relabelled breadth-first
+    (see :class:`SGLangTree`). With ``chain`` (needs budget == L) the tree is the chain of the
+    rank-0 tokens, the worker's shortcut for that case. One CTA per request replays the heap;
+    scores are compared exactly as the worker's Python heap compares them, ties included. NaN
+    log-probs make that comparison inconsistent and the CUDA build may then differ from the
+    worker's.
+
+    Parameters
+    ----------
+    topk_logprobs : Tensor [B, L, K], float32, contiguous
+        Per draft position (1 <= L <= 31), the top-K log-probs sorted descending
+        (:func:`draft_topk` of the drafter's float32 logits).
+    topk_tokens : Tensor [B, L, K], int64, contiguous
+        Their token ids.
+    budget : int
+        Nodes besides the root, 1 to 1024; D = budget + 1.
+    depth_bonus, stop_margin : float
+        The worker's ``SGLANG_DDTREE_DEPTH_BONUS`` and early-stop margin.
+    chain : bool
+        Build the rank-0 chain instead (budget must equal L).
+    out : sequence of 5 Tensors, optional
+        Contiguous tensors with :class:`SGLangTree`'s shapes and dtypes to write into (e.g. views
+        of persistent buffers); every element is written.
+
+    Returns
+    -------
+    SGLangTree
+        ``node_tokens [B, budget]`` int64, ``node_depths [B, budget]`` int64, ``parents [B, D]``
+        int64, ``visibility [B, D, D]`` bool, ``tree_sizes [B]`` int64 (``out`` when given).
+    """
+    if out is None:
+        B, dev = topk_logprobs.shape[0], topk_logprobs.device
+        D = budget + 1
+        new = lambda *shape, dtype=torch.int64: torch.empty(shape, dtype=dtype, device=dev)
+        out = (new(B, budget), new(B, budget), new(B, D), new(B, D, D, dtype=torch.bool), new(B))
+    _cuda_kernels_for(topk_logprobs)
+    torch.ops.kdtree.sglang_build_tree_(
+        topk_logprobs, topk_tokens, budget, depth_bonus, math.log(max(budget, 1)), stop_margin, chain, *out
+    )
+    return SGLangTree(*out)
+
+
+class RetrieveAccept(NamedTuple):
+    """Greedy acceptance on EAGLE's retrieve arrays (see :func:`accept_retrieve`).
+
+    Attributes
+    ----------
+    accepted : Tensor [B, max_depth + 1], int32
+        Accepted nodes (request-local indices), root first, -1 after.
+    accept_len : Tensor [B], int32
+        Accepted nodes including the root (>= 1).
+    bonus : Tensor [B], int64
+        The target's token at the last accepted node.
+    accepted_tokens : Tensor [B, D], int64
+        The target's token at each accepted node, then ``bonus`` repeated.
+    commit_order : Tensor [B * D], int64
+        A permutation of the flat slots ``b * D + i``: first every request's accepted nodes in
+        acceptance order (``sum(accept_len)`` entries), then every other slot ascending.
+    """
+
+    accepted: torch.Tensor
+    accept_len: torch.Tensor
+    bonus: torch.Tensor
+    accepted_tokens: torch.Tensor
+    commit_order: torch.Tensor
+
+
+def _check_accept_retrieve_args(next_token, next_sibling, candidates, target_tokens, max_depth):
+    torch._check(next_token.dim() == 2, lambda: f"kdtree: next_token must be [B, D], got {tuple(next_token.shape)}")
+    for name, t in (("next_token", next_token), ("next_sibling", next_sibling), ("candidates", candidates),
+                    ("target_tokens", target_tokens)):
+        _check_tree_tensor(t, name, next_token, torch.int64)
+    torch._check(next_token.shape[1] >= 1, lambda: f"kdtree: next_token must have at least one node, got {tuple(next_token.shape)}")
+    torch._check(max_depth >= 0, lambda: f"kdtree: max_depth must be >= 0, got {max_depth}")
+
+
+@_define(
+    "accept_retrieve(Tensor next_token, Tensor next_sibling, Tensor candidates, Tensor target_tokens, int max_depth) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
+def _accept_retrieve_cpu(next_token, next_sibling, candidates, target_tokens, max_depth):
+    _check_accept_retrieve_args(next_token, next_sibling, candidates, target_tokens, max_depth)
+    B, D = next_token.shape
+    nxt, sib, cand, tgt = (t.tolist() for t in (next_token, next_sibling, candidates, target_tokens))
+    accepted = torch.full((B, max_depth + 1), -1, dtype=torch.int32)
+    accept_len = torch.zeros(B, dtype=torch.int32)
+    bonus = torch.zeros(B, dtype=torch.int64)
+    accepted_tokens = torch.zeros(B, D, dtype=torch.int64)
+    kept, rest = [], []
+    for b in range(B):
+        path = [0]
+        while len(path) <= max_depth:
+            want, child = tgt[b][path[-1]], nxt[b][path[-1]]
+            while 0 <= child < D and cand[b][child] != want:
+                child = sib[b][child]
+            if not 0 <= child < D:  # -1, or an index past the tree: no child carries `want`
+                break
+            path.append(child)
+        accepted[b, : len(path)] = torch.tensor(path, dtype=torch.int32)
+        accept_len[b] = len(path)
+        bonus[b] = tgt[b][path[-1]]
+        accepted_tokens[b] = bonus[b]
+        accepted_tokens[b, : len(path)] = torch.tensor([tgt[b][i] for i in path])
+        kept += [b * D + i for i in path]
+        on_path = set(path)
+        rest += [b * D + i for i in range(D) if i not in on_path]
+    dev = next_token.device
+    order = torch.tensor(kept + rest, dtype=torch.int64)
+    return tuple(t.to(dev) for t in (accepted, accept_len, bonus, accepted_tokens, order))
+
+
+@_fake("accept_retrieve")
+def _accept_retrieve_fake(next_token, next_sibling, candidates, target_tokens, max_depth):
+    _check_accept_retrieve_args(next_token, next_sibling, candidates, target_tokens, max_depth)
+    B, D = next_token.shape
+    new = next_token.new_empty
+    return (new((B, max_depth + 1), dtype=torch.int32), new((B,), dtype=torch.int32), new((B,), dtype=torch.int64),
+            new((B, D), dtype=torch.int64), new((B * D,), dtype=torch.int64))
+
+
+def accept_retrieve(
+    next_token: torch.Tensor,
+    next_sibling: torch.Tensor,
+    candidates: torch.Tensor,
+    target_tokens: torch.Tensor,
+    max_depth: int,
+) -> RetrieveAccept:
+    """Greedy tree acceptance on EAGLE's retrieve arrays, as SGLang's ``verify_tree_greedy``.
+
+    From the root, up to ``max_depth`` times: walk the current node's children through
+    ``next_token`` / ``next_sibling`` and move to the first whose candidate token equals the
+    target's token at the current node; stop when none does (a child index outside [0, D) ends a
+    sibling list like -1). The retrieve index is taken to be ``b * D + i`` (as DDTree builds it),
+    so slots are flat node indices.
+
+    Parameters
+    ----------
+    next_token, next_sibling : Tensor [B, D], int64, contiguous
+        Each node's first child and next sibling (request-local), -1 for none.
+    candidates : Tensor [B, D], int64, contiguous
+        Each node's draft token (the root's is never compared).
+    target_tokens : Tensor [B, D], int64, contiguous
+        The target's greedy token at each node.
+    max_depth : int
+        Most moves (the width of SGLang's ``accept_index`` minus one).
+
+    Returns
+    -------
+    RetrieveAccept
+        ``accepted [B, max_depth + 1]`` int32, ``accept_len [B]`` int32, ``bonus [B]`` int64,
+        ``accepted_tokens [B, D]`` int64, ``commit_order [B * D]`` int64.
+    """
+    _cuda_kernels_for(next_token)
+    return RetrieveAccept(*torch.ops.kdtree.accept_retrieve(next_token, next_sibling, candidates, target_tokens, max_depth))
 
 
 # ---- kv movement ----
@@ -1469,6 +1818,15 @@ def _selfcheck_cases(device: str):
         return kv
 
     cases["move_kv"] = (moved, [layers, src, dst])
+
+    lp, tok = draft_topk(torch.randn(3, 7, 500, generator=g) * 3, 6)
+    cases["sglang_build_tree"] = (lambda a: sglang_build_tree(a[0], a[1], 40), [lp.to(device), tok.to(device)])
+    tree = sglang_build_tree(lp, tok, 40)
+    par = tree.parents.int()
+    _, _, _, first_child, sibling = torch.ops.kdtree.verify_metadata(torch.zeros_like(par), par, torch.zeros(3, dtype=torch.int32), True)
+    cand = torch.cat((tok[:, :1, 0], tree.node_tokens), 1)
+    target = cand[:, torch.randperm(41, generator=g)]  # draft tokens in random places: some paths accepted
+    cases["accept_retrieve"] = (lambda a: accept_retrieve(*a, 7), [t.to(device) for t in (first_child, sibling, cand, target)])
     return cases
 
 

@@ -22,6 +22,10 @@ KDTREE_DEFRAG_BUDGET_MB, KDTREE_DEFRAG_EVERY
                       bytes defrag may copy per call (default 256) and steps between calls
                       (default 16).
 
+With SGLang's DDTree (PR #29907) present, its tree build, EAGLE-format conversion, flat verify
+mask and greedy acceptance are replaced by kdtree_ops ops with identical results (section
+"DDTree" below); without it nothing of that is patched.
+
 Every process that should be hooked has to import kdtree_ops (which installs the hook when
 KDTREE_VERIFY is set): SGLang starts one scheduler process per TP rank, so put
 ``import kdtree_ops`` in a ``sitecustomize.py`` on the servers' PYTHONPATH. The patch is
@@ -41,6 +45,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from contextlib import contextmanager
 from typing import Callable, Optional
 
@@ -62,8 +67,6 @@ PROFILE_POINTS = (
     ("sglang.srt.speculative.ngram_worker", None, "eagle_sample", "accept"),
 )
 
-# DDTree (sglang PR #29907, unmerged) lives in these modules when a build carries it.
-DDTREE_MODULES = ("sglang.srt.speculative.ddtree_worker", "sglang.srt.speculative.ddtree_utils")
 
 
 def env_mode() -> str:
@@ -296,12 +299,12 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
         loader = spec.loader
         if loader is None or not hasattr(loader, "exec_module"):
             return spec
-        callbacks = self.callbacks.pop(name)
         exec_module = loader.exec_module
 
         def exec_and_patch(module):
             exec_module(module)
-            for fn in callbacks:
+            # Taken only now: importlib.util.find_spec also asks for specs it never executes.
+            for fn in self.callbacks.pop(name, []):
                 _guarded(fn, module)
 
         loader.exec_module = exec_and_patch
@@ -606,6 +609,8 @@ def _log_summary() -> None:
             logger.warning("kdtree_ops[validate] error past tolerance: %s", b)
     if st.profile:
         logger.info("%s: profile: %s", head, st.profiler.summary(n))
+    if any(st.ddtree.ours.values()) or any(st.ddtree.sglang.values()):
+        logger.info("%s: DDTree calls so far: %s", head, st.ddtree.summary())
     st.window_start, st.ours, st.fallbacks = st.steps, 0, 0
 
 
@@ -641,7 +646,7 @@ def _patch_triton_backend(tb) -> None:
     for name, has_flag in (("init_forward_metadata", False), ("init_forward_metadata_out_graph", True)):
         if name in cls.__dict__:
             _patch(cls, name, _make_metadata_hook(cls.__dict__[name], has_flag))
-    logger.info("kdtree_ops: TritonAttnBackend.forward_extend hooked (KDTREE_VERIFY=%s); %s", _STATE.mode, ddtree_status())
+    logger.info("kdtree_ops: TritonAttnBackend.forward_extend hooked (KDTREE_VERIFY=%s)", _STATE.mode)
 
 
 # --------------------------------------------------------------------------------------------
@@ -674,35 +679,510 @@ def _patch_profile_point(cls_name: Optional[str], attr: str, phase: str):
 
 
 # --------------------------------------------------------------------------------------------
-# DDTree (PR #29907) and defrag
+# DDTree (SGLang PR #29907): tree build, EAGLE-format conversion, verify mask and greedy
+# acceptance on kdtree_ops. Patched when (and only if) SGLang imports the PR's modules.
 # --------------------------------------------------------------------------------------------
 
-
-def ddtree_status() -> str:
-    """Whether the running SGLang carries DDTree and what the hook does about it.
-
-    Patch point: DDTree builds each request's tree on the CPU with ``heapq`` and its flat
-    verify mask with a per-request Python loop; kdtree_ops.build_tree / verify_metadata are
-    the GPU replacements. Their outputs have to be mapped onto the DDTree version actually
-    running (its function names and tuple layouts differ between PR revisions), so this hook
-    only replaces them once that adapter exists; until then it reports what it found.
-    """
-    found = [m for m in DDTREE_MODULES if _module_exists(m)]
-    if not found:
-        return "DDTree is not present in this SGLang (PR #29907 not merged); its tree build and mask stay untouched"
-    ops = [op for op in ("build_tree", "verify_metadata") if not hasattr(kdtree_ops, op)]
-    if ops:
-        return f"DDTree found ({', '.join(found)}) but kdtree_ops lacks {', '.join(ops)}; its CPU tree build stays"
-    return f"DDTree found ({', '.join(found)}); no adapter for this DDTree revision yet, its CPU tree build stays"
+DDTREE_UTILS = "sglang.srt.speculative.ddtree_utils"
+DDTREE_WORKER = "sglang.srt.speculative.ddtree_worker"
+DDTREE_INFO = "sglang.srt.speculative.ddtree_info"
+DDTREE_CALLS = ("build_ddtree_tree", "build_eagle_tree_format", "_build_flat_tree_mask", "verify")
 
 
-def _module_exists(name: str) -> bool:
-    """Whether SGLang ships module ``name``; only asked once SGLang is being imported anyway
-    (find_spec imports the parent packages)."""
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
+class DDTreeCounters:
+    """Who served each DDTree call since install: ``ours`` (kdtree_ops' result was used) or
+    ``sglang`` (the PR's own code); in validate mode ``compared`` and ``mismatches`` count the
+    calls where kdtree_ops' result was computed beside the PR's and where they differed."""
+
+    def __init__(self):
+        self.ours = dict.fromkeys(DDTREE_CALLS, 0)
+        self.sglang = dict.fromkeys(DDTREE_CALLS, 0)
+        self.compared = dict.fromkeys(DDTREE_CALLS, 0)
+        self.mismatches = dict.fromkeys(DDTREE_CALLS, 0)
+        self.hooked: list = []  # "module.attribute" of every DDTree patch applied
+
+    def summary(self) -> str:
+        parts = []
+        for name in DDTREE_CALLS:
+            part = f"{name} {self.ours[name]} on kdtree_ops / {self.sglang[name]} on the PR's code"
+            if self.compared[name]:
+                part += f" ({self.compared[name]} compared, {self.mismatches[name]} differed)"
+            parts.append(part)
+        return "; ".join(parts)
+
+
+class LazyChildMaps(Sequence):
+    """``build_ddtree_tree``'s ``child_maps`` (per request ``{parent: {token: child}}``, every
+    node a key) without a host sync in the build: a snapshot of the tree is taken on the GPU and
+    copied to the host in one transfer on first access. The worker's own ``tree_is_spine`` line
+    reads every map right after the build, so inside the worker that copy happens there, once
+    per step. Maps list their nodes in index order; their contents equal the PR's."""
+
+    def __init__(self, tree):
+        self._snapshot = torch.cat((tree.tree_sizes[:, None], tree.parents, tree.node_tokens), 1)
+        self._slots = tree.parents.shape[1]
+        self._maps: Optional[list] = None
+
+    def _materialize(self) -> list:
+        if self._maps is None:
+            D, maps = self._slots, []
+            for row in self._snapshot.tolist():
+                n, parents, tokens = row[0], row[1 : 1 + D], row[1 + D :]
+                cm = {i: {} for i in range(n)}
+                for i in range(1, n):
+                    cm[parents[i]][tokens[i - 1]] = i
+                maps.append(cm)
+            self._maps, self._snapshot = maps, None
+        return self._maps
+
+    def __len__(self) -> int:
+        return len(self._maps) if self._maps is not None else self._snapshot.shape[0]
+
+    def __getitem__(self, i):
+        return self._materialize()[i]
+
+    def __eq__(self, other):
+        return list(self) == list(other) if isinstance(other, Sequence) else NotImplemented
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"LazyChildMaps({self._materialize()!r})"
+
+
+def _ddtree_warn_once(reason: str) -> None:
+    st = _STATE
+    if st is None or reason in st.warned:
+        return
+    st.warned.add(reason)
+    logger.warning("kdtree_ops: %s; the DDTree PR's own code serves these calls (logged once per reason)", reason)
+
+
+def _ddtree_fallback(name: str, reason: str, original, args, kwargs):
+    _ddtree_warn_once(f"DDTree {name}: {reason}")
+    _STATE.ddtree.sglang[name] += 1
+    return original(*args, **kwargs)
+
+
+def _ddtree_compared(name: str, differences: list) -> None:
+    c = _STATE.ddtree
+    c.compared[name] += 1
+    if differences:
+        c.mismatches[name] += 1
+        key = f"validate: DDTree {name} differs"
+        if key not in _STATE.warned:
+            _STATE.warned.add(key)
+            logger.warning("kdtree_ops[validate] DDTree %s differs from the PR's result: %s (first mismatch; "
+                           "counted in the summary)", name, ", ".join(differences))
+
+
+def _ddtree_device_refusal(t: torch.Tensor, what: str) -> Optional[str]:
+    if t.device.type == "cpu" or (t.device.type == "cuda" and kdtree_ops.cuda_available()):
+        return None
+    return f"{what} on {t.device} (kdtree_ops runs on CPU or on CUDA with its kernels built)"
+
+
+def _same_device(a, b) -> bool:
+    def norm(d):
+        d = torch.device(d)
+        return torch.device("cuda", torch.cuda.current_device()) if d.type == "cuda" and d.index is None else d
+
+    return norm(a) == norm(b)
+
+
+def _differences(names, ours, theirs) -> list:
+    out = []
+    for name, a, b in zip(names, ours, theirs):
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            same = (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                    and a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu()))
+        else:
+            same = list(a) == list(b) if isinstance(a, Sequence) and isinstance(b, Sequence) else a == b
+        if not same:
+            out.append(name)
+    return out
+
+
+def _pure_wrapper(name: str, original, prepare, fields):
+    """A DDTree function without side effects beyond its outputs. ``prepare(arguments)`` gives a
+    refusal reason or ``run(fresh)``, which computes kdtree_ops' result (``fresh``: into new
+    tensors, never into the caller's buffers, since validate returns the PR's result)."""
+    sig = inspect.signature(original)
+
+    def wrapper(*args, **kwargs):
+        st = _STATE
+        if st is None or st.mode == "off" or getattr(st, "ddtree", None) is None:
+            return original(*args, **kwargs)
+        try:
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            run = prepare(bound.arguments)
+        except Exception as e:
+            run = f"could not inspect the call ({type(e).__name__}: {e})"
+        if isinstance(run, str):
+            return _ddtree_fallback(name, run, original, args, kwargs)
+        if st.mode == "validate":
+            theirs = original(*args, **kwargs)
+            st.ddtree.sglang[name] += 1
+            try:
+                ours = run(True)
+                pair = (ours, theirs) if isinstance(ours, tuple) else ((ours,), (theirs,))
+                _ddtree_compared(name, _differences(fields, *pair))
+            except Exception as e:
+                _ddtree_warn_once(f"validate: kdtree_ops' DDTree {name} raised {type(e).__name__}: {e}")
+            return theirs
+        try:
+            result = run(False)
+        except Exception as e:
+            return _ddtree_fallback(name, f"exception in kdtree_ops' path: {type(e).__name__}: {e}", original, args, kwargs)
+        st.ddtree.ours[name] += 1
+        return result
+
+    wrapper.__wrapped__ = original
+    wrapper._kdtree_original = original
+    wrapper.__doc__ = original.__doc__
+    return wrapper
+
+
+def _prepare_build_tree(original):
+    """build_ddtree_tree: draft_topk on the float32 logits (the PR's own torch.topk and
+    logsumexp), then sglang_build_tree into the worker's buffers."""
+    utils = sys.modules[original.__module__]
+
+    def prepare(a):
+        logits, budget, device = a["draft_logits"], a["tree_budget"], a["device"]
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+            return "draft_logits is not a [bs, L, V] tensor"
+        bs, L, V = logits.shape
+        if not 1 <= L <= kdtree_ops.MAX_TREE_DEPTH:
+            return f"draft length L={L} (kdtree_ops builds 1 to {kdtree_ops.MAX_TREE_DEPTH})"
+        if not isinstance(budget, int) or not 1 <= budget <= kdtree_ops.MAX_TREE_BUDGET:
+            return f"tree budget {budget!r} (kdtree_ops builds 1 to {kdtree_ops.MAX_TREE_BUDGET})"
+        reason = _ddtree_device_refusal(logits, "draft_logits")
+        if reason or not _same_device(device, logits.device):
+            return reason or f"output device {device} differs from the logits' {logits.device}"
+        from sglang.srt.environ import envs
+
+        chain = budget == L  # the PR's spine shortcut
+        k = 1 if chain else min(max(budget // L + 1, 2), V, int(envs.SGLANG_DDTREE_MAX_TOPK.get()))
+        if k < 1:
+            return f"top-k {k}"
+        depth_bonus = float(envs.SGLANG_DDTREE_DEPTH_BONUS.get())
+        stop_margin = float(utils._DDTREE_EARLY_STOP_MARGIN)
+        D = budget + 1
+        shapes = {"_out_node_token_ids": ((budget,), torch.int64), "_out_node_depths": ((budget,), torch.int64),
+                  "_out_parents": ((D,), torch.int64), "_out_visibility": ((D, D), torch.bool)}
+        views = {}
+        for arg, (tail, dtype) in shapes.items():
+            buf = a.get(arg)
+            if buf is None or buf.shape[0] < bs:  # the PR allocates a new tensor then
+                continue
+            view = buf[:bs]
+            if tuple(view.shape[1:]) != tail or view.dtype != dtype or not view.is_contiguous() or view.device != logits.device:
+                return f"{arg} is {tuple(buf.shape)} {buf.dtype} on {buf.device}, not [>= {bs}, {tail}] {dtype} contiguous"
+            views[arg] = view
+
+        def run(fresh: bool):
+            lp, tok = kdtree_ops.draft_topk(logits.float(), k)
+            out = [torch.empty((bs, *tail), dtype=dtype, device=logits.device) if fresh or arg not in views
+                   else views[arg] for arg, (tail, dtype) in shapes.items()]
+            out.append(torch.empty(bs, dtype=torch.int64, device=logits.device))  # the PR's sizes are new too
+            tree = kdtree_ops.sglang_build_tree(lp, tok, budget, depth_bonus=depth_bonus, stop_margin=stop_margin,
+                                                chain=chain, out=out)
+            return tree.node_tokens, tree.node_depths, tree.parents, LazyChildMaps(tree), tree.visibility, tree.tree_sizes
+
+        return run
+
+    return prepare
+
+
+def _prepare_eagle_format(original):
+    """build_eagle_tree_format: verify_metadata's retrieve arrays (children in index order, as
+    the PR's), over the parents of live nodes only."""
+
+    def prepare(a):
+        parents, sizes, D, device = a["parents"], a["actual_tree_sizes"], a["draft_token_num"], a["device"]
+        if not isinstance(parents, torch.Tensor) or parents.dim() != 2 or parents.shape[1] != int(D):
+            return f"parents {getattr(parents, 'shape', None)} is not [bs, draft_token_num={D}]"
+        bs = parents.shape[0]
+        if not isinstance(sizes, torch.Tensor) or tuple(sizes.shape) != (bs,) or sizes.device != parents.device:
+            return "actual_tree_sizes is not a [bs] tensor beside parents"
+        if parents.dtype not in (torch.int32, torch.int64) or sizes.dtype not in (torch.int32, torch.int64):
+            return f"parents / actual_tree_sizes dtypes {parents.dtype} / {sizes.dtype}"
+        reason = _ddtree_device_refusal(parents, "parents")
+        if reason or not _same_device(device, parents.device):
+            return reason or f"output device {device} differs from the parents' {parents.device}"
+
+        def run(fresh: bool):
+            D_ = int(D)
+            node = torch.arange(D_, device=parents.device)
+            live_n = sizes.to(torch.int64)[:, None]
+            p = parents.to(torch.int64)
+            live = (node >= 1) & (node < live_n) & (p >= 0) & (p < live_n)  # what the PR's loops visit
+            par = torch.where(live, p, -1).to(torch.int32)
+            _, _, index, first_child, sibling = torch.ops.kdtree.verify_metadata(
+                torch.zeros_like(par), par, torch.zeros(bs, dtype=torch.int32, device=par.device), True)
+            return index, first_child, sibling
+
+        return run
+
+    return prepare
+
+
+def _prepare_flat_mask(original):
+    """DDTreeWorker._build_flat_tree_mask: pack_tree_mask + flat_custom_mask with the tree
+    sizes, so pad rows see nothing (prefix included); its size comes from seq_lens_cpu."""
+
+    def prepare(a):
+        worker, batch, vis, sizes = a["self"], a["batch"], a["visibility"], a["actual_tree_sizes"]
+        D = int(worker.max_tree_nodes)
+        seq_lens, seq_cpu = batch.seq_lens, getattr(batch, "seq_lens_cpu", None)
+        bs = seq_lens.shape[0]
+        if not isinstance(vis, torch.Tensor) or tuple(vis.shape) != (bs, D, D) or vis.dtype != torch.bool:
+            return f"visibility {getattr(vis, 'shape', None)} is not [bs={bs}, {D}, {D}] bool"
+        if D > kdtree_ops.MAX_TREE_BUDGET + 1:
+            return f"{D} tree nodes (kdtree_ops' flat mask takes up to {kdtree_ops.MAX_TREE_BUDGET + 1})"
+        if not isinstance(sizes, torch.Tensor) or tuple(sizes.shape) != (bs,) or sizes.dtype not in (torch.int32, torch.int64):
+            return "actual_tree_sizes is not a [bs] integer tensor"
+        if seq_lens.dtype not in (torch.int32, torch.int64):
+            return f"seq_lens dtype {seq_lens.dtype}"
+        if not isinstance(seq_cpu, torch.Tensor) or seq_cpu.device.type != "cpu" or tuple(seq_cpu.shape) != (bs,):
+            return "batch.seq_lens_cpu unavailable (the mask's size would need a device read)"
+        if not (vis.device == sizes.device == seq_lens.device) or not _same_device(batch.device, vis.device):
+            return "visibility, actual_tree_sizes and seq_lens are not on the batch's device"
+        reason = _ddtree_device_refusal(vis, "visibility")
+        if reason:
+            return reason
+        capacity = D * int(seq_cpu.sum()) + bs * D * D  # sum_b D * (seq_len_b + D), host data only
+
+        def run(fresh: bool):
+            packed = kdtree_ops.pack_tree_mask(vis.reshape(bs * D, D)).view(bs, D, -1)
+            return kdtree_ops.flat_custom_mask(packed, seq_lens, capacity, sizes)[0]
+
+        return run
+
+    return prepare
+
+
+def _verify_refusal(vi, batch, logits_output, page_size, model_runner) -> Optional[str]:
+    """Why kdtree_ops cannot reproduce DDTreeVerifyInput.verify for this batch (None: it can)."""
+    if getattr(vi, "_draft_pos_topk", None) is not None:
+        return "SGLANG_DDTREE_RANK_PROBE is on"
+    if batch.forward_mode.is_idle():
+        return "idle batch"
+    si = batch.sampling_info
+    if not si.is_all_greedy:
+        return "non-greedy sampling in the batch"
+    for name in ("acc_additive_penalties", "acc_scaling_penalties", "logit_bias"):
+        if getattr(si, name, None) is not None:
+            return f"sampling_info.{name} is set"
+    from sglang.srt.speculative import spec_utils
+
+    if getattr(spec_utils, "SIMULATE_ACC_LEN", 0) > 0:
+        return "SGLANG_SIMULATE_ACC_LEN is set"
+    if model_runner is not None and page_size != 1:
+        return f"page size {page_size}"
+    bs, D = len(batch.reqs), int(vi.draft_token_num)
+    if len(batch.seq_lens) != bs:
+        return f"{len(batch.seq_lens)} seq_lens for {bs} requests"
+    arrays = {"retrieve_next_token": vi.retrieve_next_token, "retrieve_next_sibling": vi.retrieve_next_sibling,
+              "draft_token": vi.draft_token.reshape(bs, D) if vi.draft_token.numel() == bs * D else None}
+    for name, t in arrays.items():
+        if t is None or tuple(t.shape) != (bs, D) or t.dtype != torch.int64 or not t.is_contiguous():
+            return f"{name} is not a contiguous [bs={bs}, D={D}] int64 tensor"
+    logits = logits_output.next_token_logits
+    if logits.dim() != 2 or logits.shape[0] != bs * D:
+        return f"next_token_logits {tuple(logits.shape)} is not [bs * D = {bs * D}, V]"
+    if vi.max_tree_depth < 1:
+        return f"max_tree_depth {vi.max_tree_depth}"
+    if any(t.device != logits.device for t in arrays.values()) or not _same_device(batch.device, logits.device):
+        return "tree, logits and batch are on different devices"
+    hidden = logits_output.hidden_states
+    if hidden is not None and hidden.shape[0] != bs * D:
+        return f"hidden_states has {hidden.shape[0]} rows, not bs * D = {bs * D}"
+    if model_runner is not None:
+        if not isinstance(batch.seq_lens_sum, int):
+            return "batch.seq_lens_sum is not an int"
+        if not isinstance(batch.seq_lens_cpu, torch.Tensor) or batch.seq_lens_cpu.device.type != "cpu":
+            return "batch.seq_lens_cpu is not a CPU tensor"
+        if batch.out_cache_loc is None or batch.out_cache_loc.numel() != bs * D:
+            return "out_cache_loc does not hold bs * D verify slots"
+    return _ddtree_device_refusal(logits, "next_token_logits")
+
+
+def _verify_plan(vi, batch, logits_output):
+    """kdtree_ops' acceptance for the batch, without side effects on SGLang's state (besides
+    the NaN sanitising eagle_sample applies to the logits). Ends with the step's one host sync:
+    the accepted paths and their lengths, which verify's host outputs are made of."""
+    from sglang.srt.utils.async_probe import sanitize_nan_logits
+
+    bs, D = len(batch.reqs), int(vi.draft_token_num)
+    logits = logits_output.next_token_logits
+    sanitize_nan_logits(logits, "verify: target model logits")  # as eagle_sample does first
+    target = torch.argmax(logits, dim=-1).reshape(bs, D)
+    acc = kdtree_ops.accept_retrieve(vi.retrieve_next_token, vi.retrieve_next_sibling, vi.draft_token.reshape(bs, D),
+                                     target, vi.max_tree_depth - 1)
+    rows = torch.cat((acc.accept_len[:, None], acc.accepted), 1).tolist()  # the one D2H copy
+    lens = [r[0] for r in rows]
+    return acc, lens, [r[1 : 1 + n] for r, n in zip(rows, lens)]
+
+
+def _verify_commit(info, vi, batch, logits_output, model_runner, plan):
+    """Everything the PR's verify does after its acceptance kernel, from the plan: the verify
+    input's outputs, then (with model_runner) the KV commit: rejected slots back to the
+    allocator in slot order, accepted slots kept where they are, req_to_token and lengths."""
+    acc, lens, paths = plan
+    total, bs = sum(lens), len(lens)
+    keep = acc.commit_order[:total]
+    commit_lens = acc.accept_len.to(torch.int64)
+    vi.accepted_indices = paths
+    vi.next_tokens = acc.bonus
+    vi.accepted_tokens = acc.accepted_tokens.view(-1)
+    vi.accept_index_flat = keep
+    vi.accept_length_per_req = commit_lens - 1
+    if model_runner is not None:
+        slots = batch.out_cache_loc
+        batch.token_to_kv_pool_allocator.free(slots[acc.commit_order[total:]])
+        batch.out_cache_loc = slots[keep]
+        for req, n in zip(batch.reqs, lens, strict=True):
+            req.kv_allocated_len = req.kv_committed_len + n
+        grow = commit_lens.to(batch.seq_lens.dtype)
+        info.assign_req_to_token_pool_func(batch.req_pool_indices, batch.req_to_token_pool.req_to_token,
+                                           batch.seq_lens, batch.seq_lens + grow, batch.out_cache_loc, bs)
+        batch.seq_lens.add_(grow)
+        batch.seq_lens_cpu.add_(torch.tensor(lens, dtype=batch.seq_lens_cpu.dtype))
+        batch.seq_lens_sum += total
+    else:
+        batch.seq_lens += commit_lens
+    hidden = logits_output.hidden_states
+    return vi.next_tokens, commit_lens, hidden[keep] if hidden is not None else None, [n - 1 for n in lens]
+
+
+def _verify_differences(vi, batch, result, plan, slots_before, hidden) -> list:
+    """validate: the PR's verify outputs and KV commit against what the plan would have done."""
+    acc, lens, paths = plan
+    total = sum(lens)
+    keep = acc.commit_order[:total]
+    expect = {
+        "next_tokens": (result[0], acc.bonus),
+        "commit_lens": (result[1], acc.accept_len.to(torch.int64)),
+        "num_correct_drafts": (result[3], [n - 1 for n in lens]),
+        "accepted_indices": (vi.accepted_indices, paths),
+        "accepted_tokens": (vi.accepted_tokens, acc.accepted_tokens.view(-1)),
+        "accept_index_flat": (vi.accept_index_flat, keep),
+        "accept_length_per_req": (vi.accept_length_per_req, acc.accept_len.to(torch.int64) - 1),
+    }
+    if hidden is not None:
+        expect["next_target_hidden"] = (result[2], hidden[keep])
+    if slots_before is not None:
+        expect["out_cache_loc"] = (batch.out_cache_loc, slots_before[keep])
+    names = list(expect)
+    return _differences(names, [e[1] for e in expect.values()], [e[0] for e in expect.values()])
+
+
+def _wrap_verify(original):
+    """DDTreeVerifyInput.verify for greedy batches: argmax, accept_retrieve, then the PR's
+    bookkeeping from one host copy of the accepted paths (its contract returns host lists and
+    updates seq_lens_cpu, so one sync is unavoidable; the PR's own verify syncs several times)."""
+    sig = inspect.signature(original)
+    info = sys.modules[original.__module__]
+    name = "verify"
+
+    def verify(self, *args, **kwargs):
+        st = _STATE
+        if st is None or st.mode == "off" or getattr(st, "ddtree", None) is None:
+            return original(self, *args, **kwargs)
+        try:
+            bound = sig.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            a = bound.arguments
+            batch, logits_output, model_runner = a["batch"], a["logits_output"], a["model_runner"]
+            reason = _verify_refusal(self, batch, logits_output, a["page_size"], model_runner)
+        except Exception as e:
+            reason = f"could not inspect the call ({type(e).__name__}: {e})"
+        if reason is not None:
+            return _ddtree_fallback(name, reason, original, (self, *args), kwargs)
+        if st.mode == "validate":
+            try:
+                plan = _verify_plan(self, batch, logits_output)
+            except Exception as e:
+                plan = None
+                _ddtree_warn_once(f"validate: kdtree_ops' DDTree verify raised {type(e).__name__}: {e}")
+            slots = batch.out_cache_loc if model_runner is not None else None
+            hidden = logits_output.hidden_states
+            result = original(self, *args, **kwargs)
+            st.ddtree.sglang[name] += 1
+            if plan is not None:
+                try:
+                    _ddtree_compared(name, _verify_differences(self, batch, result, plan, slots, hidden))
+                except Exception as e:
+                    _ddtree_warn_once(f"validate: comparing DDTree verify raised {type(e).__name__}: {e}")
+            return result
+        try:
+            plan = _verify_plan(self, batch, logits_output)
+        except Exception as e:  # nothing of SGLang's state has changed yet
+            return _ddtree_fallback(name, f"exception in kdtree_ops' path: {type(e).__name__}: {e}", original,
+                                    (self, *args), kwargs)
+        # From here SGLang's state changes; an error is raised as the PR's own verify would raise it.
+        result = _verify_commit(info, self, batch, logits_output, model_runner, plan)
+        st.ddtree.ours[name] += 1
+        return result
+
+    verify.__wrapped__ = original
+    verify._kdtree_original = original
+    verify.__doc__ = original.__doc__
+    return verify
+
+
+def _patch_name(owner, attr: str, make) -> None:
+    """Patch owner.attr with make(original); if it already holds our wrapper (a module that
+    imported the name after we patched it), keep that and remember the true original."""
+    current = owner.__dict__[attr]
+    original = getattr(current, "_kdtree_original", current)
+    _STATE.patched.append((owner, attr, original))
+    if current is original:
+        setattr(owner, attr, make(original))
+    _STATE.ddtree.hooked.append(f"{getattr(owner, '__name__', owner)}.{attr}")
+
+
+def _wrap_pure(name: str, prepare, fields):
+    return lambda original: _pure_wrapper(name, original, prepare(original), fields)
+
+
+_TREE_FIELDS = ("node_token_ids", "node_depths", "parents", "child_maps", "visibility", "actual_tree_sizes")
+
+
+def _patch_ddtree_functions(module) -> None:
+    """ddtree_utils' functions, and the worker's names for them (bound by its import)."""
+    for attr, make in (
+        ("build_ddtree_tree", _wrap_pure("build_ddtree_tree", _prepare_build_tree, _TREE_FIELDS)),
+        ("build_eagle_tree_format", _wrap_pure("build_eagle_tree_format", _prepare_eagle_format,
+                                               ("retrive_index", "retrive_next_token", "retrive_next_sibling"))),
+    ):
+        if attr in module.__dict__:
+            _patch_name(module, attr, make)
+    worker_cls = module.__dict__.get("DDTreeWorker")
+    if worker_cls is not None and "_build_flat_tree_mask" in worker_cls.__dict__:
+        _patch_name(worker_cls, "_build_flat_tree_mask", _wrap_pure("_build_flat_tree_mask", _prepare_flat_mask, ("custom_mask",)))
+    logger.info("kdtree_ops: DDTree %s hooked (KDTREE_VERIFY=%s)", module.__name__, _STATE.mode)
+
+
+def _patch_ddtree_info(module) -> None:
+    _patch_name(module.DDTreeVerifyInput, "verify", _wrap_verify)
+    logger.info("kdtree_ops: DDTree %s hooked (KDTREE_VERIFY=%s)", module.__name__, _STATE.mode)
+
+
+def _install_ddtree() -> None:
+    """Register the DDTree patches; nothing is patched unless SGLang imports the PR's modules."""
+    _STATE.ddtree = DDTreeCounters()
+    _when_imported(DDTREE_UTILS, _patch_ddtree_functions)
+    _when_imported(DDTREE_INFO, _patch_ddtree_info)
+    _when_imported(DDTREE_WORKER, _patch_ddtree_functions)
+
+
+# --------------------------------------------------------------------------------------------
+# Defrag
+# --------------------------------------------------------------------------------------------
 
 
 def _defrag_refusal(backend) -> Optional[str]:
@@ -821,6 +1301,7 @@ def install(mode: Optional[str] = None) -> bool:
             return True
         _STATE = _State(mode)
         _when_imported(TRITON_BACKEND, _patch_triton_backend)
+        _install_ddtree()
         if _STATE.profile:
             for module, cls_name, attr, phase in PROFILE_POINTS:
                 _when_imported(module, _patch_profile_point(cls_name, attr, phase))

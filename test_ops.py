@@ -7,6 +7,7 @@ sizes, ``torch.library.opcheck``, CUDA-graph capture + replay with changed input
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import math
 import os
@@ -2002,10 +2003,13 @@ def test_hook_patches_on_later_import(tmp_path, monkeypatch):
 
 
 def test_hook_ddtree_and_defrag_status(sgl, caplog, monkeypatch):
-    assert "DDTree" in sglang_hook.ddtree_status()
     monkeypatch.setenv("KDTREE_DEFRAG", "1")
     srv = hook_server(sgl, "cpu")
     sglang_hook.install("on")
+    ddtree_present = importlib.util.find_spec("sglang.srt.speculative.ddtree_info") is not None
+    if ddtree_present:  # the PR's overlay: imported, so hooked
+        import sglang.srt.speculative.ddtree_worker  # noqa: F401
+    assert ("DDTreeVerifyInput.verify" in sglang_hook._STATE.ddtree.hooked) == ddtree_present
     g = torch.Generator().manual_seed(2)
     step = sgl.verify_step(srv.runner, [3], hook_spec(srv, [3], g), generator=g)
     with caplog.at_level(_logging.WARNING, logger="kdtree_ops"):
@@ -2130,6 +2134,642 @@ def test_hook_cuda_graph_capture_and_replay(sgl, kind):
     r.backend.init_forward_metadata(step2.fb)
     for (q, k, v), layer, out in zip(static, layers, outs):
         rows_close(out, sglang_forward(r.backend, q, k, v, layer, step2.fb), r.heads, HOOK_TOL["cuda"])
+
+
+# ---- DDTree through the hook (SGLang PR #29907) ----
+# The PR's own functions (its overlay on SGLang 0.5.23) against the same calls through the hook,
+# on real 0.5.23 pools, Reqs, ScheduleBatch, SamplingBatchInfo and LogitsProcessorOutput.
+# kdtree_ops serves them with its CPU reference ops on CPU and its kernels on a GPU; SGLang's
+# Triton kernels on that path run interpreted on CPU (TRITON_INTERPRET, top of this file).
+
+DDTREE_KINDS = ("random", "peaked", "flat", "ties", "zeros")
+
+
+def ddtree_logits(bs, L, V, kind, g):
+    """Drafter logits [bs, L, V]: `ties` and `zeros` make many exactly equal scores (the heap's
+    rank-tuple tie-break), `peaked` deep narrow trees, `flat` shallow bushy ones."""
+    if kind == "random":
+        return torch.randn(bs, L, V, generator=g) * 3
+    if kind == "peaked":
+        x = torch.randn(bs, L, V, generator=g) * 2
+        return x.scatter_add_(2, torch.randint(0, V, (bs, L, 1), generator=g), 12 + 4 * torch.rand(bs, L, 1, generator=g))
+    if kind == "flat":
+        return torch.randn(bs, L, V, generator=g) * 0.3
+    if kind == "ties":
+        return torch.randint(0, 3, (bs, L, V), generator=g).float()
+    return torch.zeros(bs, L, V)
+
+
+def ddtree_targets(parents, node_tokens, V, g, follow=0.8):
+    """The target's greedy token per node [bs, D]: along a random root-to-leaf walk it matches
+    a child's token (each step with probability `follow`), elsewhere it is random."""
+    parents, node_tokens = parents.cpu(), node_tokens.cpu()
+    bs, D = parents.shape
+    target = torch.randint(0, V, (bs, D), generator=g)
+    for b in range(bs):
+        kids = [[] for _ in range(D)]
+        for i, p in enumerate(parents[b].tolist()[1:], 1):
+            if p >= 0:
+                kids[p].append(i)
+        cur = 0
+        while kids[cur] and float(torch.rand(1, generator=g)) < follow:
+            child = kids[cur][int(torch.randint(0, len(kids[cur]), (1,), generator=g))]
+            target[b, cur] = node_tokens[b, child - 1]
+            cur = child
+    return target
+
+
+@pytest.fixture(scope="module")
+def pr():
+    """The DDTree PR's modules and their original functions; the runtime context eagle_sample reads."""
+    pytest.importorskip("sglang")
+    utils = pytest.importorskip("sglang.srt.speculative.ddtree_utils")
+    info = pytest.importorskip("sglang.srt.speculative.ddtree_info")
+    worker = pytest.importorskip("sglang.srt.speculative.ddtree_worker")
+    import sglang.kernels.ops.speculative.spec_tree as spec_tree
+    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.speculative import eagle_utils
+
+    sglang_hook.uninstall()
+    original = lambda f: getattr(f, "_kdtree_original", f)
+    reset_context()
+    publish(ServerArgs(model_path="dummy", device="cpu", attention_backend="triton"), role="test",
+            ranks=SpawnRanks(world_rank=0, dp_rank=None))
+    yield _types.SimpleNamespace(
+        utils=utils, info=info, worker=worker, eagle_utils=eagle_utils, spec_tree=spec_tree,
+        build=original(utils.build_ddtree_tree), eagle_format=original(utils.build_eagle_tree_format),
+        flat_mask=original(worker.DDTreeWorker._build_flat_tree_mask), verify=original(info.DDTreeVerifyInput.verify))
+    sglang_hook.uninstall()
+    reset_context()
+
+
+@pytest.fixture
+def ddtree_hook(pr, monkeypatch):
+    """install(mode) -> the hook's DDTree counters. SGLang's greedy tree verify runs on SGLang's
+    own Triton kernel (its XPU path): 0.5.23's dispatcher has no CPU path without sgl_kernel
+    (a silent no-op there), and on a GPU this avoids needing SGLang's JIT toolchain."""
+    sglang_hook.uninstall()
+    for name in ("SGLANG_DDTREE_MAX_TOPK", "SGLANG_DDTREE_DEPTH_BONUS", "SGLANG_DDTREE_RANK_PROBE", "KDTREE_LOG_EVERY"):
+        monkeypatch.delenv(name, raising=False)
+
+    def verify_tree_greedy_func(*, predicts, accept_index, accept_token_num, topk=-1, **arrays):
+        pr.spec_tree.verify_tree_greedy_triton(predicts, accept_index, accept_token_num, **arrays)
+        return predicts, accept_index, accept_token_num
+
+    monkeypatch.setattr(pr.eagle_utils, "verify_tree_greedy_func", verify_tree_greedy_func)
+
+    def install(mode="on"):
+        assert sglang_hook.install(mode)
+        return sglang_hook._STATE.ddtree
+
+    yield install
+    sglang_hook.uninstall()
+
+
+def pr_calls(pr):
+    return _types.SimpleNamespace(build=pr.build, eagle_format=pr.eagle_format, flat_mask=pr.flat_mask, verify=pr.verify)
+
+
+def hooked_calls(pr):
+    """The names the worker calls (its module's imports, its class, the verify input's class)."""
+    return _types.SimpleNamespace(
+        build=lambda **kw: pr.worker.build_ddtree_tree(**kw),
+        eagle_format=lambda **kw: pr.worker.build_eagle_tree_format(**kw),
+        flat_mask=lambda worker, **kw: worker._build_flat_tree_mask(**kw),
+        verify=lambda vi, **kw: vi.verify(**kw))
+
+
+def tree_buffers(bs_max, budget, device):
+    """The worker's persistent build outputs (DDTreeWorker.__init__)."""
+    D = budget + 1
+    return dict(
+        _out_node_token_ids=torch.zeros(bs_max, budget, dtype=torch.long, device=device),
+        _out_node_depths=torch.zeros(bs_max, budget, dtype=torch.long, device=device),
+        _out_parents=torch.full((bs_max, D), -1, dtype=torch.long, device=device),
+        _out_visibility=torch.zeros(bs_max, D, D, dtype=torch.bool, device=device))
+
+
+def ddtree_batch(device, prefix_lens, D, V):
+    """A real 0.5.23 decode batch: pools, allocator (prefix slots taken, scattered), Reqs,
+    SamplingBatchInfo (greedy), a disabled RadixCache and a ScheduleBatch."""
+    import array
+
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    bs, total = len(prefix_lens), sum(prefix_lens)
+    size = total + bs * D + 16
+    rtp = ReqToTokenPool(size=bs + 1, max_context_len=max(prefix_lens) + D + 8, device=device, enable_memory_saver=False)
+    kv = MLATokenToKVPool(size=size, page_size=1, dtype=torch.bfloat16, kv_lora_rank=16, qk_rope_head_dim=8,
+                          layer_num=1, device=device, enable_memory_saver=False)
+    alloc = TokenToKVPoolAllocator(size=size, dtype=torch.bfloat16, device=device, kvcache=kv, need_sort=False)
+    alloc.free_pages = alloc.free_pages[torch.randperm(size, generator=torch.Generator().manual_seed(size)).to(device)]
+    pre = alloc.alloc(total)
+    reqs, at = [], 0
+    for b, P in enumerate(prefix_lens):
+        rtp.req_to_token[b, :P] = pre[at : at + P].to(rtp.req_to_token.dtype)
+        at += P
+        req = Req(f"r{b}", "", array.array("i", [1, 2, 3]), SamplingParams(temperature=0))
+        # The PR reads these from the Req (its SGLang base kept them there); 0.5.23 has them in req.kv.
+        req.kv_committed_len = req.kv_allocated_len = P
+        reqs.append(req)
+    sampling = SamplingBatchInfo(
+        temperatures=torch.ones(bs, 1, device=device), top_ps=torch.ones(bs, device=device),
+        top_ks=torch.ones(bs, dtype=torch.int32, device=device), min_ps=torch.zeros(bs, device=device),
+        is_all_greedy=True, is_any_greedy=True, need_top_p_sampling=False, need_top_k_sampling=False,
+        need_min_p_sampling=False, vocab_size=V)
+    cache = RadixCache(CacheInitParams(disable=True, req_to_token_pool=rtp, token_to_kv_pool_allocator=alloc, page_size=1))
+    seq = torch.tensor(prefix_lens, dtype=torch.int64)
+    return ScheduleBatch(reqs=reqs, req_to_token_pool=rtp, token_to_kv_pool_allocator=alloc, tree_cache=cache,
+                         forward_mode=ForwardMode.DECODE, device=device, seq_lens=seq.to(device), seq_lens_cpu=seq.clone(),
+                         seq_lens_sum=int(seq.sum()), req_pool_indices=torch.arange(bs, device=device), sampling_info=sampling)
+
+
+def ddtree_round(pr, calls, batch, logits, verified, budget, target, hidden, bs_max=None):
+    """One full-tree DDTree round as DDTreeWorker._prepare_for_speculative_decoding and
+    forward_batch_generation run it (minus the forwards): tree, verify ids/positions, EAGLE
+    format, flat mask, DDTreeVerifyInput, prepare_for_verify, verify with the KV commit."""
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    dev, (bs, L, V), D = batch.device, logits.shape, budget + 1
+    bufs = tree_buffers(bs_max or bs + 2, budget, dev)
+    tree = calls.build(draft_logits=logits, tree_budget=budget, device=dev, **bufs)
+    node_token_ids, node_depths, parents, child_maps, visibility, sizes = tree
+    ids = torch.zeros(bs, D, dtype=torch.long, device=dev)
+    ids[:, 0] = verified
+    ids[:, 1:] = node_token_ids
+    pos = torch.zeros(bs, D, dtype=torch.long, device=dev)
+    pos[:, 0] = batch.seq_lens
+    pos[:, 1:] = batch.seq_lens.unsqueeze(1) + node_depths
+    retrieve = calls.eagle_format(parents=parents, actual_tree_sizes=sizes, draft_token_num=D, device=dev)
+    worker = object.__new__(pr.worker.DDTreeWorker)  # the method reads only max_tree_nodes
+    worker.max_tree_nodes = D
+    mask = calls.flat_mask(worker, batch=batch, visibility=visibility, actual_tree_sizes=sizes)
+    spine = all(all(len(c) <= 1 for c in cm.values()) for cm in child_maps)
+    vi = pr.info.DDTreeVerifyInput(
+        draft_token=ids.reshape(-1), positions=pos.reshape(-1), draft_token_num=D, tree_budget=budget,
+        child_maps=child_maps, actual_tree_sizes=sizes, custom_mask=mask, tree_is_spine=spine, topk=2,
+        spec_steps=budget, retrive_index=retrieve[0], retrive_next_token=retrieve[1], retrive_next_sibling=retrieve[2])
+    vi.prepare_for_verify(batch, 1)
+    batch.forward_mode = ForwardMode.TARGET_VERIFY
+    out = None
+    if target is not None:
+        next_token_logits = torch.nn.functional.one_hot(target.reshape(-1), V).float().to(dev) * 10
+        lo = LogitsProcessorOutput(next_token_logits=next_token_logits, hidden_states=hidden)
+        out = calls.verify(vi, batch=batch, logits_output=lo, page_size=1, model_runner=object())  # only tested for None
+    return _types.SimpleNamespace(tree=tree, bufs=bufs, retrieve=retrieve, mask=mask, spine=spine, vi=vi, out=out, batch=batch)
+
+
+def same(a, b, what):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, what
+        assert a.device == b.device and torch.equal(a, b), what
+    elif isinstance(a, (list, tuple, sglang_hook.LazyChildMaps)) or isinstance(b, (list, tuple, sglang_hook.LazyChildMaps)):
+        assert list(a) == list(b), what
+    else:
+        assert a == b, what
+
+
+def assert_same_round(ours, theirs):
+    for name, a, b in zip(("node_token_ids", "node_depths", "parents", "child_maps", "visibility", "sizes"),
+                          ours.tree, theirs.tree):
+        same(a, b, name)
+    for name, a, b in zip(("retrive_index", "retrive_next_token", "retrive_next_sibling"), ours.retrieve, theirs.retrieve):
+        same(a, b, name)
+    same(ours.mask, theirs.mask, "custom_mask")
+    assert ours.spine == theirs.spine
+    if theirs.out is None:
+        return
+    for name, a, b in zip(("next_tokens", "commit_lens", "next_target_hidden", "num_correct_drafts"), ours.out, theirs.out):
+        same(a, b, name)
+    for name in ("accepted_indices", "accept_index_flat", "accept_length_per_req", "next_tokens", "accepted_tokens"):
+        same(getattr(ours.vi, name), getattr(theirs.vi, name), name)
+    a, b = ours.batch, theirs.batch
+    for name in ("seq_lens", "seq_lens_cpu", "seq_lens_sum", "out_cache_loc", "input_ids"):
+        same(getattr(a, name), getattr(b, name), name)
+    same(a.req_to_token_pool.req_to_token, b.req_to_token_pool.req_to_token, "req_to_token")
+    for name in ("free_pages", "release_pages"):
+        same(getattr(a.token_to_kv_pool_allocator, name), getattr(b.token_to_kv_pool_allocator, name), f"allocator.{name}")
+    assert [r.kv_allocated_len for r in a.reqs] == [r.kv_allocated_len for r in b.reqs]
+
+
+# (bs, L, V, budget, kind): full trees up to 512 nodes, B == L (the PR's chain shortcut), B < L.
+DDTREE_ROUNDS = [
+    (1, 3, 41, 7, "random"), (3, 5, 97, 5, "peaked"), (2, 7, 64, 40, "ties"), (5, 4, 200, 100, "flat"),
+    (7, 15, 300, 64, "random"), (4, 9, 53, 256, "peaked"), (2, 15, 1000, 512, "random"), (3, 6, 37, 3, "random"),
+    (6, 11, 128, 129, "zeros"), (1, 15, 500, 512, "peaked"), (5, 13, 77, 33, "ties"), (2, 3, 5, 200, "flat"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bs,L,V,budget,kind", DDTREE_ROUNDS)
+def test_ddtree_round_through_hook_matches_pr(pr, ddtree_hook, device, bs, L, V, budget, kind):
+    """Tree, EAGLE format, flat mask, acceptance and KV commit: node for node, slot for slot,
+    the PR's; and kdtree_ops served every call."""
+    counters = ddtree_hook("on")
+    g = torch.Generator().manual_seed(bs * 1000 + L * 10 + budget)
+    logits = ddtree_logits(bs, L, V, kind, g).to(device)
+    verified = torch.randint(0, V, (bs,), generator=g).to(device)
+    prefix = torch.randint(0, 40, (bs,), generator=g).tolist()
+    theirs_batch, ours_batch = ddtree_batch(device, prefix, budget + 1, V), ddtree_batch(device, prefix, budget + 1, V)
+    probe = ddtree_round(pr, pr_calls(pr), ddtree_batch(device, prefix, budget + 1, V), logits, verified, budget, None, None)
+    target = ddtree_targets(probe.tree[2], probe.tree[0], V, g)
+    hidden = torch.randn(bs * (budget + 1), 12, generator=g).to(device)
+    theirs = ddtree_round(pr, pr_calls(pr), theirs_batch, logits, verified, budget, target, hidden)
+    ours = ddtree_round(pr, hooked_calls(pr), ours_batch, logits, verified, budget, target, hidden)
+    assert_same_round(ours, theirs)
+    assert ours.tree[0].data_ptr() == ours.bufs["_out_node_token_ids"].data_ptr()  # views of the worker's buffers
+    assert ours.tree[4].data_ptr() == ours.bufs["_out_visibility"].data_ptr()
+    assert isinstance(ours.tree[3], sglang_hook.LazyChildMaps)
+    assert counters.ours == dict.fromkeys(sglang_hook.DDTREE_CALLS, 1)
+    assert counters.sglang == dict.fromkeys(sglang_hook.DDTREE_CALLS, 0)
+    accepted = [len(a) for a in theirs.vi.accepted_indices]
+    assert max(accepted) > 1 or budget <= 5  # the targets do follow the trees
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ddtree_build_matches_pr_many(pr, ddtree_hook, monkeypatch, device):
+    """The tree build alone on many drafts (odd sizes, ties, the env knobs), with the worker's
+    buffers, too-small buffers (the PR allocates then) and none."""
+    counters = ddtree_hook("on")
+    g = torch.Generator().manual_seed(77)
+    calls = 0
+    for i in range(90):
+        bs, L = int(torch.randint(1, 8, (1,), generator=g)), int(torch.randint(3, 16, (1,), generator=g))
+        V = int(torch.randint(2, 400, (1,), generator=g))
+        budget = [L, max(1, L - 2), int(torch.randint(L + 1, 64, (1,), generator=g)),
+                  int(torch.randint(64, 513, (1,), generator=g))][i % 4]
+        kind = DDTREE_KINDS[i % len(DDTREE_KINDS)]
+        if i % 9 == 4:
+            monkeypatch.setenv("SGLANG_DDTREE_DEPTH_BONUS", ["-0.3", "0", "1.5"][i % 3])
+        if i % 11 == 5:
+            monkeypatch.setenv("SGLANG_DDTREE_MAX_TOPK", ["1", "3", "40"][i % 3])
+        logits = ddtree_logits(bs, L, V, kind, g).to(device)
+        bufs = [tree_buffers(bs + 1, budget, device), tree_buffers(max(bs - 1, 0), budget, device), {}][i % 3]
+        bufs2 = {k: v.clone() for k, v in bufs.items()}
+        theirs = pr.build(logits, budget, torch.device(device), **bufs)
+        ours = pr.utils.build_ddtree_tree(logits, budget, torch.device(device), **bufs2)
+        for name, a, b in zip(("tokens", "depths", "parents", "child_maps", "visibility", "sizes"), ours, theirs):
+            same(a, b, (i, bs, L, V, budget, kind, name))
+        calls += 1
+        monkeypatch.delenv("SGLANG_DDTREE_DEPTH_BONUS", raising=False)
+        monkeypatch.delenv("SGLANG_DDTREE_MAX_TOPK", raising=False)
+    assert counters.ours["build_ddtree_tree"] == calls and counters.sglang["build_ddtree_tree"] == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ddtree_spine_mode_mask_and_verify_match_pr(pr, ddtree_hook, caplog, device):
+    """Spine mode (budget <= L): the worker builds a chain itself (untouched); its mask and
+    verify still go through the hook."""
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    counters = ddtree_hook("on")
+    bs, D, V = 3, 8, 50
+    g = torch.Generator().manual_seed(3)
+    prefix = [5, 0, 17]
+    draft = torch.randint(0, V, (bs, D), generator=g).to(device)
+    target = draft.roll(-1, 1).cpu()
+    target[1, 3] = (target[1, 3] + 1) % V  # request 1 stops after 3 drafts
+    target[2, 0] = (target[2, 0] + 1) % V  # request 2 rejects the first
+    hidden = torch.randn(bs * D, 6, generator=g).to(device)
+    results = []
+    for calls in (pr_calls(pr), hooked_calls(pr)):
+        batch = ddtree_batch(device, prefix, D, V)
+        node = torch.arange(D, device=device)  # DDTreeWorker's chain LCRS, visibility and sizes
+        retrieve = (torch.arange(bs, device=device)[:, None] * D + node,
+                    torch.where(node < D - 1, node + 1, -1).expand(bs, D).contiguous(),
+                    torch.full((bs, D), -1, dtype=torch.long, device=device))
+        sizes = torch.full((bs,), D, dtype=torch.long, device=device)
+        vis = torch.tril(torch.ones(D, D, dtype=torch.bool, device=device)).expand(bs, D, D).contiguous()
+        worker = object.__new__(pr.worker.DDTreeWorker)
+        worker.max_tree_nodes = D
+        mask = calls.flat_mask(worker, batch=batch, visibility=vis, actual_tree_sizes=sizes)
+        vi = pr.info.DDTreeVerifyInput(
+            draft_token=draft.reshape(-1), positions=torch.zeros(bs * D, dtype=torch.long, device=device), draft_token_num=D,
+            tree_budget=D - 1, child_maps=[{} for _ in range(bs)], actual_tree_sizes=sizes, custom_mask=mask,
+            tree_is_spine=True, topk=1, spec_steps=D - 1, retrive_index=retrieve[0], retrive_next_token=retrieve[1],
+            retrive_next_sibling=retrieve[2])
+        vi.prepare_for_verify(batch, 1)
+        batch.forward_mode = ForwardMode.TARGET_VERIFY
+        lo = LogitsProcessorOutput(next_token_logits=torch.nn.functional.one_hot(target.reshape(-1), V).float().to(device),
+                                   hidden_states=hidden)
+        out = calls.verify(vi, batch=batch, logits_output=lo, page_size=1, model_runner=object())
+        results.append(_types.SimpleNamespace(tree=(), retrieve=(), mask=mask, spine=True, vi=vi, out=out, batch=batch))
+    assert_same_round(results[1], results[0])
+    assert results[0].vi.accepted_indices == [list(range(D)), [0, 1, 2, 3], [0]]
+    assert counters.ours["_build_flat_tree_mask"] == counters.ours["verify"] == 1
+    with caplog.at_level(_logging.INFO, logger="kdtree_ops"):
+        sglang_hook._log_summary()  # the periodic line, as a verify step would trigger it
+    assert "DDTree calls so far" in caplog.text and "verify 1 on kdtree_ops / 0 on the PR's code" in caplog.text
+
+
+def test_ddtree_validate_returns_pr_result_and_counts_mismatches(pr, ddtree_hook, monkeypatch, caplog):
+    counters = ddtree_hook("validate")
+    bs, L, V, budget = 3, 6, 80, 30
+    g = torch.Generator().manual_seed(11)
+    logits, verified = ddtree_logits(bs, L, V, "ties", g), torch.randint(0, V, (bs,), generator=g)
+    prefix = [4, 9, 1]
+    probe = ddtree_round(pr, pr_calls(pr), ddtree_batch("cpu", prefix, budget + 1, V), logits, verified, budget, None, None)
+    target = ddtree_targets(probe.tree[2], probe.tree[0], V, g)
+    hidden = torch.randn(bs * (budget + 1), 4, generator=g)
+    theirs = ddtree_round(pr, pr_calls(pr), ddtree_batch("cpu", prefix, budget + 1, V), logits, verified, budget, target, hidden)
+    ours = ddtree_round(pr, hooked_calls(pr), ddtree_batch("cpu", prefix, budget + 1, V), logits, verified, budget, target, hidden)
+    assert_same_round(ours, theirs)
+    assert isinstance(ours.tree[3], list)  # the PR's own result came back
+    assert counters.compared == counters.sglang == dict.fromkeys(sglang_hook.DDTREE_CALLS, 1)
+    assert counters.mismatches == counters.ours == dict.fromkeys(sglang_hook.DDTREE_CALLS, 0)
+
+    real = kdtree_ops.accept_retrieve
+    monkeypatch.setattr(kdtree_ops, "accept_retrieve", lambda *a: real(*a)._replace(bonus=real(*a).bonus + 1))
+    with caplog.at_level(_logging.WARNING, logger="kdtree_ops"):
+        again = ddtree_round(pr, hooked_calls(pr), ddtree_batch("cpu", prefix, budget + 1, V), logits, verified, budget,
+                             target, hidden)
+    assert counters.mismatches["verify"] == 1 and "verify differs" in caplog.text and "next_tokens" in caplog.text
+    assert_same_round(again, theirs)  # still the PR's result
+
+
+def test_ddtree_unsupported_calls_go_to_pr(pr, ddtree_hook, caplog):
+    counters = ddtree_hook("on")
+    g = torch.Generator().manual_seed(5)
+    with caplog.at_level(_logging.WARNING, logger="kdtree_ops"):
+        deep = ddtree_logits(2, 32, 30, "random", g)  # L = 32: past the op's depth limit
+        theirs = pr.build(deep, 40, torch.device("cpu"))
+        ours = pr.utils.build_ddtree_tree(deep, 40, torch.device("cpu"))
+        for a, b in zip(ours, theirs):
+            same(a, b, "fallback build")
+        assert counters.sglang["build_ddtree_tree"] == 1 and counters.ours["build_ddtree_tree"] == 0
+        assert "draft length L=32" in caplog.text
+
+        bs, L, V, budget = 2, 4, 40, 12
+        logits, verified = ddtree_logits(bs, L, V, "random", g), torch.randint(0, V, (bs,), generator=g)
+        hooked = hooked_calls(pr)
+        paged = _types.SimpleNamespace(**{**vars(hooked), "verify": lambda vi, **kw: vi.verify(**{**kw, "page_size": 2})})
+        with pytest.raises(AssertionError, match="page_size"):  # the PR's own verify asserts
+            ddtree_round(pr, paged, ddtree_batch("cpu", [3, 5], budget + 1, V), logits, verified, budget,
+                         torch.zeros(bs, budget + 1, dtype=torch.long), None)
+        assert counters.sglang["verify"] == 1 and "page size 2" in caplog.text
+
+    batch = ddtree_batch("cpu", [3, 5], budget + 1, V)
+    round_ = ddtree_round(pr, hooked, batch, logits, verified, budget, None, None)
+    logits_output = _types.SimpleNamespace(next_token_logits=torch.zeros(bs * (budget + 1), V), hidden_states=None)
+    batch.sampling_info.is_all_greedy = False
+    assert sglang_hook._verify_refusal(round_.vi, batch, logits_output, 1, object()) == "non-greedy sampling in the batch"
+    batch.sampling_info.is_all_greedy = True
+    batch.sampling_info.logit_bias = torch.zeros(bs, V)
+    assert "logit_bias" in sglang_hook._verify_refusal(round_.vi, batch, logits_output, 1, object())
+    batch.sampling_info.logit_bias = None
+    round_.vi._draft_pos_topk = torch.zeros(bs, L, 32, dtype=torch.long)
+    assert "RANK_PROBE" in sglang_hook._verify_refusal(round_.vi, batch, logits_output, 1, object())
+
+
+def test_ddtree_child_maps_are_a_snapshot(pr, ddtree_hook):
+    """The lazy child_maps read the tree as it was built, even after the worker's buffers are
+    overwritten by the next build."""
+    ddtree_hook("on")
+    g = torch.Generator().manual_seed(9)
+    first, second = ddtree_logits(2, 5, 60, "random", g), ddtree_logits(2, 5, 60, "peaked", g)
+    bufs = tree_buffers(4, 20, "cpu")
+    ours = pr.utils.build_ddtree_tree(first, 20, torch.device("cpu"), **bufs)
+    pr.utils.build_ddtree_tree(second, 20, torch.device("cpu"), **bufs)
+    assert list(ours[3]) == pr.build(first, 20, torch.device("cpu"))[3]
+    assert len(ours[3]) == 2
+
+
+def test_ddtree_install_uninstall_restores(pr, ddtree_hook):
+    counters = ddtree_hook("on")
+    assert pr.utils.build_ddtree_tree is not pr.build and pr.worker.build_ddtree_tree is not pr.build
+    assert pr.info.DDTreeVerifyInput.__dict__["verify"] is not pr.verify
+    assert len(counters.hooked) == 6  # two in ddtree_utils, the worker's two names + its mask method, verify
+    sglang_hook.uninstall()
+    assert pr.utils.build_ddtree_tree is pr.build and pr.worker.build_ddtree_tree is pr.build
+    assert pr.utils.build_eagle_tree_format is pr.eagle_format and pr.worker.build_eagle_tree_format is pr.eagle_format
+    assert pr.worker.DDTreeWorker.__dict__["_build_flat_tree_mask"] is pr.flat_mask
+    assert pr.info.DDTreeVerifyInput.__dict__["verify"] is pr.verify
+
+
+def test_ddtree_absent_patches_nothing(pr, monkeypatch):
+    """SGLang without the PR (0.5.23 as released): the hook registers, nothing gets patched."""
+    import importlib.abc
+
+    names = (sglang_hook.DDTREE_UTILS, sglang_hook.DDTREE_INFO, sglang_hook.DDTREE_WORKER)
+
+    class Absent(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name in names:
+                raise ModuleNotFoundError(f"No module named {name!r}")
+            return None
+
+    sglang_hook.uninstall()
+    for name in names:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [Absent(), *sys.meta_path])
+    try:
+        assert sglang_hook.install("on")
+        with pytest.raises(ModuleNotFoundError):
+            import sglang.srt.speculative.ddtree_utils  # noqa: F401
+        assert sglang_hook._STATE.ddtree.hooked == []
+        assert not any("ddtree" in getattr(owner, "__module__", getattr(owner, "__name__", ""))
+                       for owner, _, _ in sglang_hook._STATE.patched)
+    finally:
+        sglang_hook.uninstall()
+    assert pr.utils.build_ddtree_tree is pr.build and pr.info.DDTreeVerifyInput.__dict__["verify"] is pr.verify
+
+
+# ---- the DDTree ops (sglang_build_tree, accept_retrieve, flat mask with num_nodes) ----
+
+
+def sglang_tree_case(bs, L, V, budget, kind, seed, device="cpu", k=None):
+    g = torch.Generator().manual_seed(seed)
+    chain = budget == L
+    k = 1 if chain else (k or min(max(budget // L + 1, 2), V, 6))
+    lp, tok = kdtree_ops.draft_topk(ddtree_logits(bs, L, V, kind, g), k)
+    return lp.contiguous().to(device), tok.contiguous().to(device), chain
+
+
+def sglang_tree_configs(count, seed):
+    """(bs, L, V, budget, kind, k, depth bonus): budgets 1..1024 incl. chains, L 1..31, wide top-k."""
+    g = torch.Generator().manual_seed(seed)
+    pick = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))
+    for i in range(count):
+        L = pick(1, 31)
+        budget = [L, pick(1, 64), pick(65, 512), pick(513, 1024)][i % 4]
+        bs = pick(1, 9) if budget <= 512 else pick(1, 3)
+        V = pick(2, 3000)
+        k = [None, pick(1, 8), pick(1, 300)][i % 3]
+        yield bs, L, V, budget, DDTREE_KINDS[i % len(DDTREE_KINDS)], (None if k is None else min(k, V)), [0.2, 0.0, -0.4, 1.0][i % 4]
+
+
+@needs_gpu
+def test_sglang_build_tree_cuda_matches_reference():
+    trees = 0
+    for i, (bs, L, V, budget, kind, k, bonus) in enumerate(sglang_tree_configs(120, seed=4321)):
+        lp, tok, chain = sglang_tree_case(bs, L, V, budget, kind, seed=i, k=k)
+        margin = [1.0, 0.0, 3.5][i % 3]
+        want = kdtree_ops.sglang_build_tree(lp, tok, budget, depth_bonus=bonus, stop_margin=margin, chain=chain)
+        got = kdtree_ops.sglang_build_tree(lp.cuda(), tok.cuda(), budget, depth_bonus=bonus, stop_margin=margin, chain=chain)
+        for name, a, b in zip(kdtree_ops.SGLangTree._fields, got, want):
+            assert torch.equal(a.cpu(), b), (i, bs, L, V, budget, kind, k, bonus, name)
+        trees += bs
+    assert trees >= 300
+
+
+def retrieve_case(bs, L, V, budget, kind, seed, device):
+    """A tree from sglang_build_tree, its EAGLE retrieve arrays, candidates and targets."""
+    lp, tok, chain = sglang_tree_case(bs, L, V, budget, kind, seed)
+    tree = kdtree_ops.sglang_build_tree(lp, tok, budget, chain=chain)
+    par = tree.parents.int()
+    _, _, _, nxt, sib = torch.ops.kdtree.verify_metadata(torch.zeros_like(par), par, torch.zeros(bs, dtype=torch.int32), True)
+    g = torch.Generator().manual_seed(seed)
+    cand = torch.cat((torch.randint(0, V, (bs, 1), generator=g), tree.node_tokens), 1)
+    target = ddtree_targets(tree.parents, tree.node_tokens, V, g, follow=0.9)
+    return [t.contiguous().to(device) for t in (nxt, sib, cand, target)], tree
+
+
+@needs_gpu
+def test_accept_retrieve_cuda_matches_reference():
+    for i, (bs, L, V, budget, kind, _, _) in enumerate(sglang_tree_configs(60, seed=99)):
+        args, _ = retrieve_case(bs, L, V, budget, kind, i, "cuda")
+        for depth in (budget, L, 2, 0):
+            got = kdtree_ops.accept_retrieve(*args, depth)
+            want = kdtree_ops.accept_retrieve(*[a.cpu() for a in args], depth)
+            for name, a, b in zip(kdtree_ops.RetrieveAccept._fields, got, want):
+                assert torch.equal(a.cpu(), b), (i, depth, name)
+    broken = [a.clone() for a in args]
+    broken[0][:, 0] = budget + 7  # a child index past the tree reads as "no child", never out of bounds
+    got = kdtree_ops.accept_retrieve(*broken, budget)
+    want = kdtree_ops.accept_retrieve(*[a.cpu() for a in broken], budget)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want)) and (got.accept_len == 1).all()
+
+
+def test_accept_retrieve_reference_hand_case():
+    # root -> 1 (5), 2 (7), 3 (5); 1 -> 4 (9); 3 -> 5 (8): siblings in order 1, 2, 3
+    nxt = torch.tensor([[1, 4, -1, 5, -1, -1]])
+    sib = torch.tensor([[-1, 2, 3, -1, -1, -1]])
+    cand = torch.tensor([[100, 5, 7, 5, 9, 8]])
+    target = torch.tensor([[5, 9, 0, 8, 11, 12]])
+    r = kdtree_ops.accept_retrieve(nxt, sib, cand, target, 5)
+    assert r.accepted.tolist() == [[0, 1, 4, -1, -1, -1]] and r.accept_len.tolist() == [3] and r.bonus.tolist() == [11]
+    assert r.accepted_tokens.tolist() == [[5, 9, 11, 11, 11, 11]]
+    assert r.commit_order.tolist() == [0, 1, 4, 2, 3, 5]
+    r = kdtree_ops.accept_retrieve(nxt, sib, cand, target, 1)  # accept_index width 2
+    assert r.accepted.tolist() == [[0, 1]] and r.bonus.tolist() == [9] and r.commit_order.tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_flat_custom_mask_num_nodes_reference():
+    lp, tok, _ = sglang_tree_case(3, 4, 30, 20, "ties", seed=1)
+    tree = kdtree_ops.sglang_build_tree(lp, tok, 20)
+    D = 21
+    packed = kdtree_ops.pack_tree_mask(tree.visibility.reshape(3 * D, D)).view(3, D, -1)
+    prefix = torch.tensor([4, 0, 9])
+    sizes = tree.tree_sizes.clone()
+    sizes[1] = 5
+    size = kdtree_ops.flat_mask_size(13, 3, D)
+    mask, indptr = kdtree_ops.flat_custom_mask(packed, prefix, size + 3, sizes)
+    for b, (P, n) in enumerate(zip(prefix.tolist(), sizes.tolist())):
+        block = mask[int(indptr[b]) : int(indptr[b + 1])].view(D, P + D)
+        assert block[:n, :P].all() and not block[n:].any() and not block[:, P + n :].any()
+        assert torch.equal(block[:n, P : P + n], tree.visibility[b, :n, :n])
+    assert not mask[size:].any()
+
+
+@needs_gpu
+def test_flat_custom_mask_num_nodes_cuda_matches_reference():
+    g = torch.Generator().manual_seed(3)
+    for i, (bs, L, V, budget, kind, _, _) in enumerate(sglang_tree_configs(30, seed=7)):
+        lp, tok, chain = sglang_tree_case(bs, L, V, budget, kind, seed=i)
+        tree = kdtree_ops.sglang_build_tree(lp, tok, budget, chain=chain)
+        D = budget + 1
+        packed = kdtree_ops.pack_tree_mask(tree.visibility.reshape(bs * D, D)).view(bs, D, -1)
+        prefix = torch.randint(0, 2000, (bs,), generator=g, dtype=[torch.int32, torch.int64][i % 2])
+        sizes = tree.tree_sizes.to([torch.int64, torch.int32][i % 3 % 2])
+        size = kdtree_ops.flat_mask_size(int(prefix.sum()), bs, D)
+        for cap in (size, size + 41, max(size - 999, 0)):
+            got = kdtree_ops.flat_custom_mask(packed.cuda(), prefix.cuda(), cap, sizes.cuda())
+            want = kdtree_ops.flat_custom_mask(packed, prefix, cap, sizes)
+            assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want)), (i, cap)
+
+
+def ddtree_pipeline(logits, prefix_lens, target, budget: int, out=None, capacity: int = 0):
+    """draft_topk -> sglang_build_tree -> retrieve arrays -> flat mask -> accept_retrieve."""
+    L = logits.shape[1]
+    lp, tok = kdtree_ops.draft_topk(logits, min(max(budget // L + 1, 2), logits.shape[-1], 6))
+    tree = kdtree_ops.sglang_build_tree(lp, tok, budget, out=out)
+    bs, D = tree.parents.shape
+    par = tree.parents.to(torch.int32)
+    _, _, _, nxt, sib = torch.ops.kdtree.verify_metadata(torch.zeros_like(par), par, prefix_lens, True)
+    packed = kdtree_ops.pack_tree_mask(tree.visibility.reshape(bs * D, D)).view(bs, D, -1)
+    mask, _ = kdtree_ops.flat_custom_mask(packed, prefix_lens, capacity, tree.tree_sizes)
+    cand = torch.cat((target[:, :1], tree.node_tokens), 1)
+    acc = kdtree_ops.accept_retrieve(nxt, sib, cand, target, L)
+    return tuple(tree) + (nxt, sib, mask) + tuple(acc)
+
+
+def ddtree_pipeline_inputs(device, seed, bs=3, L=5, V=70, budget=24):
+    g = torch.Generator().manual_seed(seed)
+    logits = ddtree_logits(bs, L, V, ["ties", "peaked", "random"][seed % 3], g)
+    lp, tok = kdtree_ops.draft_topk(logits, min(max(budget // L + 1, 2), V, 6))
+    tree = kdtree_ops.sglang_build_tree(lp, tok, budget)
+    target = ddtree_targets(tree.parents, tree.node_tokens, V, g)
+    prefix = torch.randint(0, 30, (bs,), generator=g)
+    return [t.to(device) for t in (logits, prefix, target)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ddtree_ops_opcheck(device):
+    logits, prefix, target = ddtree_pipeline_inputs(device, 1)
+    lp, tok = kdtree_ops.draft_topk(logits, 5)
+    out = kdtree_ops.sglang_build_tree(lp, tok, 24)
+    torch.library.opcheck(torch.ops.kdtree.sglang_build_tree_.default, (lp, tok, 24, 0.2, math.log(24), 1.0, False, *[t.clone() for t in out]))
+    chain_lp, chain_tok = kdtree_ops.draft_topk(logits, 1)
+    chain_out = kdtree_ops.sglang_build_tree(chain_lp, chain_tok, 5, chain=True)
+    torch.library.opcheck(torch.ops.kdtree.sglang_build_tree_.default,
+                          (chain_lp, chain_tok, 5, 0.2, math.log(5), 1.0, True, *[t.clone() for t in chain_out]))
+    par = out.parents.int()
+    _, _, _, nxt, sib = torch.ops.kdtree.verify_metadata(torch.zeros_like(par), par, prefix, True)
+    cand = torch.cat((target[:, :1], out.node_tokens), 1)
+    torch.library.opcheck(torch.ops.kdtree.accept_retrieve.default, (nxt, sib, cand, target, 5))
+    packed = kdtree_ops.pack_tree_mask(out.visibility.reshape(-1, 25)).view(3, 25, -1)
+    torch.library.opcheck(torch.ops.kdtree.flat_custom_mask.default, (packed, prefix, 25 * (60 + 75) + 7, out.tree_sizes))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ddtree_ops_compile(device):
+    logits, prefix, target = ddtree_pipeline_inputs(device, 2)
+    capacity = 25 * (int(prefix.sum()) + 3 * 25)
+    got = torch.compile(ddtree_pipeline, fullgraph=True)(logits, prefix, target, 24, capacity=capacity)
+    want = ddtree_pipeline(*[t.cpu() for t in (logits, prefix, target)], 24, capacity=capacity)
+    for a, b in zip(got, want):
+        assert torch.equal(a.cpu(), b)
+
+
+@needs_gpu
+def test_ddtree_ops_cuda_graph():
+    seeds = iter(range(100))
+    budget, bs = 24, 3
+    D = budget + 1
+    out = (torch.empty(bs, budget, dtype=torch.int64, device="cuda"), torch.empty(bs, budget, dtype=torch.int64, device="cuda"),
+           torch.empty(bs, D, dtype=torch.int64, device="cuda"), torch.empty(bs, D, D, dtype=torch.bool, device="cuda"),
+           torch.empty(bs, dtype=torch.int64, device="cuda"))
+    capacity = D * (3 * 30 + 3 * D)
+
+    def fn(logits, prefix, target):
+        return ddtree_pipeline(logits, prefix, target, budget, out=out, capacity=capacity)
+
+    def check(inputs, result):
+        want = ddtree_pipeline(*[t.cpu() for t in inputs], budget, capacity=capacity)
+        for a, b in zip(result, want):
+            assert torch.equal(a.cpu(), b)
+
+    graph_replay(fn, lambda: ddtree_pipeline_inputs("cuda", next(seeds)), check)
 
 
 # ---- main job ----

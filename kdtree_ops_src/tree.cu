@@ -974,11 +974,12 @@ constexpr int kFillThreads = 256;
 constexpr int kTailBlocks = 132;
 
 // Blocks [0, B*N): one tree row each. Blocks after: clear [mask_indptr[B], capacity).
-template <typename I>
+// With num_nodes, rows at or past a request's node count see nothing, and no row sees them.
+template <typename I, typename J>
 __global__ void __launch_bounds__(kFillThreads)
     flat_mask_kernel(const int32_t* __restrict__ mask, const I* __restrict__ prefix_lens,
-                     const int64_t* __restrict__ mask_indptr, int B, int N, int W,
-                     int64_t capacity, uint8_t* out) {
+                     const J* __restrict__ num_nodes, const int64_t* __restrict__ mask_indptr,
+                     int B, int N, int W, int64_t capacity, uint8_t* out) {
   __shared__ uint32_t s_row[(kMaxBudget + 1 + 31) / 32];
   const int64_t rows = static_cast<int64_t>(B) * N;
   if (blockIdx.x >= rows) {
@@ -1000,14 +1001,19 @@ __global__ void __launch_bounds__(kFillThreads)
   const int64_t prefix = max(static_cast<int64_t>(prefix_lens[b]), int64_t{0});
   const int64_t start = mask_indptr[b] + i * (prefix + N);
   const int64_t end = min(start + prefix + N, capacity);
+  const int64_t live = num_nodes == nullptr ? N : min(max(static_cast<int64_t>(num_nodes[b]), int64_t{0}), static_cast<int64_t>(N));
+  const uint8_t row_live = i < live;
   for (int k = threadIdx.x; k < W; k += kFillThreads) {
-    s_row[k] = static_cast<uint32_t>(mask[static_cast<int64_t>(blockIdx.x) * W + k]);
+    uint32_t word = row_live ? static_cast<uint32_t>(mask[static_cast<int64_t>(blockIdx.x) * W + k]) : 0u;
+    const int64_t dead = live - 32 * static_cast<int64_t>(k);  // columns of this word past the count
+    if (dead < 32) word &= dead <= 0 ? 0u : (1u << dead) - 1u;
+    s_row[k] = word;
   }
   __syncthreads();
   if (start >= end) return;
 
   auto value = [&](int64_t col) -> uint8_t {  // col in [0, prefix + N)
-    if (col < prefix) return 1;
+    if (col < prefix) return row_live;
     const int64_t j = col - prefix;
     return (s_row[j >> 5] >> (j & 31)) & 1u;
   };
@@ -1019,7 +1025,8 @@ __global__ void __launch_bounds__(kFillThreads)
       const int64_t col = lo - start;
       uint4 v;
       if (col + 16 <= prefix) {
-        v = make_uint4(0x01010101u, 0x01010101u, 0x01010101u, 0x01010101u);
+        const uint32_t ones = row_live * 0x01010101u;
+        v = make_uint4(ones, ones, ones, ones);
       } else {
         uint32_t w[4];
 #pragma unroll
@@ -1042,7 +1049,8 @@ __global__ void __launch_bounds__(kFillThreads)
 
 std::tuple<at::Tensor, at::Tensor> flat_custom_mask(const at::Tensor& mask,
                                                     const at::Tensor& prefix_lens,
-                                                    int64_t capacity) {
+                                                    int64_t capacity,
+                                                    const std::optional<at::Tensor>& num_nodes) {
   check_cuda(mask, "mask", mask);
   check_dim(mask, "mask", 3);
   check_dtype(mask, "mask", at::kInt);
@@ -1055,23 +1063,35 @@ std::tuple<at::Tensor, at::Tensor> flat_custom_mask(const at::Tensor& mask,
   check_prefix_lens(prefix_lens, mask, B);
   KD_CHECK(capacity >= 0, "capacity must be >= 0, got ", capacity);
   KD_CHECK(B * N + kTailBlocks < INT32_MAX, "mask has too many rows: ", mask.sizes());
+  const at::Tensor* counts = num_nodes.has_value() ? &*num_nodes : nullptr;
+  if (counts != nullptr) {
+    check_cuda(*counts, "num_nodes", mask);
+    check_dim(*counts, "num_nodes", 1);
+    check_index(*counts, "num_nodes");
+    check_contiguous(*counts, "num_nodes");
+    KD_CHECK(counts->size(0) == B, "num_nodes must have shape [", B, "], got ", counts->sizes());
+  }
 
   const auto opts = mask.options();
   at::Tensor custom_mask = at::empty({capacity}, opts.dtype(at::kBool));
   at::Tensor mask_indptr = at::empty({B + 1}, opts.dtype(at::kLong));
   const c10::cuda::CUDAGuard guard(mask.device());
+  const at::ScalarType count_type = counts != nullptr ? counts->scalar_type() : at::kLong;
   dispatch_index(prefix_lens.scalar_type(), [&](auto tag) {
     using I = decltype(tag);
     const I* lens = prefix_lens.data_ptr<I>();
     mask_indptr_kernel<I><<<1, 32, 0, current_stream()>>>(
         lens, static_cast<int>(B), static_cast<int>(N), mask_indptr.data_ptr<int64_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    const unsigned blocks = static_cast<unsigned>(B * N + kTailBlocks);
-    flat_mask_kernel<I><<<blocks, kFillThreads, 0, current_stream()>>>(
-        mask.data_ptr<int32_t>(), lens, mask_indptr.data_ptr<int64_t>(), static_cast<int>(B),
-        static_cast<int>(N), static_cast<int>(W), capacity,
-        reinterpret_cast<uint8_t*>(custom_mask.data_ptr<bool>()));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    dispatch_index(count_type, [&](auto count_tag) {
+      using J = decltype(count_tag);
+      const unsigned blocks = static_cast<unsigned>(B * N + kTailBlocks);
+      flat_mask_kernel<I, J><<<blocks, kFillThreads, 0, current_stream()>>>(
+          mask.data_ptr<int32_t>(), lens, counts != nullptr ? counts->data_ptr<J>() : nullptr,
+          mask_indptr.data_ptr<int64_t>(), static_cast<int>(B), static_cast<int>(N),
+          static_cast<int>(W), capacity, reinterpret_cast<uint8_t*>(custom_mask.data_ptr<bool>()));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
   });
   return {custom_mask, mask_indptr};
 }
