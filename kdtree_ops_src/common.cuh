@@ -143,6 +143,31 @@ template <typename T> __device__ __forceinline__ T warp_inclusive_scan(T x) {
   return x;
 }
 
+// A typed pointer `off` bytes into a shared-memory carve-out.
+template <typename T> __device__ __forceinline__ T* at_offset(unsigned char* base, size_t off) {
+  return reinterpret_cast<T*>(base + off);
+}
+
+// Exclusive prefix sum of one value per thread, in thread order, and the block's total; every
+// thread must call it. s_scan holds 33 ints.
+__device__ inline int block_exclusive_scan(int v, int* s_scan, int& total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int x = warp_inclusive_scan(v);
+  if (lane == 31) s_scan[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    const int t = lane < warps ? s_scan[lane] : 0;
+    const int w = warp_inclusive_scan(t);
+    if (lane < warps) s_scan[lane] = w - t;
+    if (lane == 31) s_scan[32] = w;
+  }
+  __syncthreads();
+  const int r = s_scan[warp] + x - v;
+  total = s_scan[32];
+  __syncthreads();  // s_scan is reused by the next call
+  return r;
+}
+
 // Calls f with a value of the CUDA element type matching `dtype` (fp32, bf16, fp16).
 template <typename F> void dispatch_float(at::ScalarType dtype, const char* name, F&& f) {
   switch (dtype) {

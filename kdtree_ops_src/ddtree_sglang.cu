@@ -127,29 +127,6 @@ struct TreeLayout {
   }
 };
 
-template <typename T> __device__ __forceinline__ T* at_offset(unsigned char* base, size_t off) {
-  return reinterpret_cast<T*>(base + off);
-}
-
-// Exclusive prefix sum of one value per thread, in thread order; every thread must call it.
-__device__ int block_exclusive_scan(int v, int* s_scan, int& total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  const int x = warp_inclusive_scan(v);
-  if (lane == 31) s_scan[warp] = x;
-  __syncthreads();
-  if (warp == 0) {
-    const int t = lane < warps ? s_scan[lane] : 0;
-    const int w = warp_inclusive_scan(t);
-    if (lane < warps) s_scan[lane] = w - t;
-    if (lane == 31) s_scan[32] = w;
-  }
-  __syncthreads();
-  const int r = s_scan[warp] + x - v;
-  total = s_scan[32];
-  __syncthreads();  // s_scan is reused by the next call
-  return r;
-}
-
 // Warp 0: replays the worker's heap; node n's id goes to s_node[n] (n in pop order), its rank
 // among its parent's children to s_sib[n]. Returns the node count, root included.
 __device__ int replay_heap(const TreeArgs& a, const float* lpt, uint64_t* s_key, uint32_t* s_cand,

@@ -255,28 +255,6 @@ struct LevelLayout {
   }
 };
 
-template <typename T> __device__ __forceinline__ T* at_offset(unsigned char* base, size_t off) {
-  return reinterpret_cast<T*>(base + off);
-}
-
-// Exclusive prefix sum of one value per thread, in thread order; all threads must call it.
-__device__ int block_exclusive_scan(int v, int* s_scan, int& total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  const int x = warp_inclusive_scan(v);
-  if (lane == 31) s_scan[warp] = x;
-  __syncthreads();
-  if (warp == 0) {
-    const int t = lane < warps ? s_scan[lane] : 0;
-    const int w = warp_inclusive_scan(t);
-    if (lane < warps) s_scan[lane] = w - t;
-    if (lane == 31) s_scan[32] = w;
-  }
-  __syncthreads();
-  const int r = s_scan[warp] + x - v;
-  total = s_scan[32];
-  __syncthreads();  // s_scan is reused by the next call
-  return r;
-}
 
 // Sum or max (Max) of one value per thread over the CTA; all threads must call it.
 template <bool Max, typename T> __device__ T block_reduce(T v, int* s_scan) {
