@@ -16,8 +16,6 @@
 // verify_attn_sm90.cu).
 #include "verify_attn.cuh"
 
-#include <cstdlib>
-
 namespace kdtree {
 namespace {
 
@@ -389,7 +387,6 @@ __global__ void __launch_bounds__(128) merge_splits_kernel(const VerifyParams<T>
 }
 
 constexpr int kMaxSplits = 64;  // merge kernel keeps one weight per split in shared memory
-constexpr int kPrefetchPairs = 2;  // seesaw kernel's L2 prefetch distance (KDTREE_VERIFY_PREFETCH)
 
 void check_rows(const at::Tensor& t, const char* name, const at::Tensor& q, int64_t rows) {
   check_cuda(t, name, q);
@@ -529,8 +526,6 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
     p.part_o = splits > 1 ? part_o.data_ptr<float>() : nullptr;
     p.part_lse = splits > 1 ? part_lse.data_ptr<float>() : nullptr;
     p.rows_total = T * H;
-    p.prefetch_pairs = kPrefetchPairs;
-    if (const char* env = std::getenv("KDTREE_VERIFY_PREFETCH")) p.prefetch_pairs = std::atoi(env);
 
     const bool idx32 = kv_indices.scalar_type() == at::kInt;
     const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(splits));

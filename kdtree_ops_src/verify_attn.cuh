@@ -32,7 +32,6 @@ template <typename T> struct VerifyParams {
   int64_t mask_stride;
   int mask_words;
   int batch, heads, splits;
-  int prefetch_pairs;  // seesaw kernel: key-tile pairs its producer prefetches into L2 ahead
   float scale_log2;
   // direct output (splits == 1) or partials [splits][T*H][512] + [splits][T*H]
   T* out;

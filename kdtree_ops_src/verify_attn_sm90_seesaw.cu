@@ -6,8 +6,7 @@
 //  - WG2, the producer (few registers): gathers Q, then the keys' 1,152-byte rows by slot index
 //    with 16-byte cp.async (page size 1: no tensor-map tile to TMA) into two K buffers, each
 //    in two halves (dims 0-255; dims 256-575) with their own ready/free mbarriers, so a half
-//    is refilled as soon as its last reader is done. It also prefetches rows a few tile pairs
-//    ahead into L2 (cp.async.bulk.prefetch), which deepens the pipeline without shared memory.
+//    is refilled as soon as its last reader is done.
 //  - WG0 and WG1, the consumers: WG0 computes S = Q K^T for the even tile of each pair (K
 //    buffer 0), WG1 for the odd tile (buffer 1), each with the full 64 x 64 x 576 product.
 //    WG0 owns O[:, 0:256), WG1 O[:, 256:512). Each runs the softmax of its own tile and
@@ -26,7 +25,6 @@
 namespace kdtree {
 namespace {
 
-constexpr int kTileKeys = 64, kPairKeys = 2 * kTileKeys;
 constexpr int kWgThreads = 128, kThreads = 3 * kWgThreads;
 constexpr int kCols = kDqk / 64;                 // 64-dim (128-byte) column blocks per row
 constexpr int kBlockBytes = 64 * 128;            // one column block of 64 rows or 64 keys
@@ -42,15 +40,16 @@ constexpr int kSmemBytes = kOffTile + 8 + 1024;
 static_assert(kSmemBytes <= 227 * 1024, "must fit sm_90's 227 KB per block");
 static_assert(kRows == 64, "one wgmma M tile of rows per CTA");
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define KD_SM90A 1
+
+constexpr int kTileKeys = 64, kPairKeys = 2 * kTileKeys;
 // setmaxnreg budgets: 2 x 128 x 232 + 128 x 40 of the 64K registers.
 constexpr int kConsumerRegs = 232, kProducerRegs = 40;
 // The first max of a row: finite, so that no -inf - -inf appears; below every real score.
 constexpr float kMaxInit = -1e30f;
 // Named barriers between the two consumers (256 threads; 0 is __syncthreads).
 constexpr int kBarMax0 = 1, kBarMax1 = 2, kBarP0 = 3, kBarP1 = 4, kBarSum = 5;
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define KD_SM90A 1
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
@@ -195,8 +194,6 @@ __device__ __forceinline__ uint64_t v_desc(uint32_t kbuf, int half) {
   return make_desc(kbuf + half * 4 * kBlockBytes, kBlockBytes, 1024);
 }
 
-#endif  // sm_90a
-
 // What one CTA covers of request b: its rows, and its share of the request's keys (prefix
 // slots, then tree nodes), in tile pairs.
 struct SeesawSpan {
@@ -219,6 +216,8 @@ __device__ __forceinline__ SeesawSpan seesaw_span(const VerifyParams<T>& p, int 
   c.n_pairs = (c.key_end - c.key_begin + kPairKeys - 1) / kPairKeys;
   return c;
 }
+
+#endif  // sm_90a
 
 template <typename T, typename Idx>
 __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const VerifyParams<T> p) {
@@ -260,7 +259,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
   const auto [q_begin, rows_b, kv_begin, prefix, key_begin, key_end, n_pairs] = seesaw_span(p, b, split);
 
   if (wg == 2) {
-    // ================= producer: Q, then K tiles by slot, and L2 prefetch =================
+    // ================= producer: Q, then K tiles by slot =================
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
     // Thread (group grp, chunk ck): rows grp + 16 j (j < 4) of a tile, 16-byte chunk ck of each
     // of their 128-byte column blocks; eight threads read 128 contiguous bytes of a row.
@@ -287,12 +286,6 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
       if (key < prefix) return p.kv + static_cast<int64_t>(__ldg(kv_indices + key)) * p.kv_stride;
       return p.tree_k + static_cast<int64_t>(q_begin + key - prefix) * p.tk_stride;
     };
-    auto prefetch_l2 = [&](int pair) {  // row lt of the pair
-      if (pair >= n_pairs) return;
-      const T* src = row_src(key_begin + pair * kPairKeys + lt);
-      if (src) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "n"(kDqk * 2) : "memory");
-    };
-    for (int pair = 1; pair <= p.prefetch_pairs; ++pair) prefetch_l2(pair);
 
     uint32_t free_parity = 1;  // a fresh barrier's "previous phase" counts as complete
 #pragma unroll 1
@@ -331,7 +324,6 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
       copy(1, 0, 4);
       cp_async_arrive(bar_ready(1, 0));
       free_parity ^= 1;
-      prefetch_l2(pr + 1 + p.prefetch_pairs);
     }
   } else {
     // ================= consumers =================
