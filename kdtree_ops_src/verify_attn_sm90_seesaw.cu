@@ -6,7 +6,8 @@
 //  - WG2, the producer (few registers): gathers Q, then the keys' 1,152-byte rows by slot index
 //    with 16-byte cp.async (page size 1: no tensor-map tile to TMA) into two K buffers, each
 //    in two halves (dims 0-255; dims 256-575) with their own ready/free mbarriers, so a half
-//    is refilled as soon as its last reader is done.
+//    is refilled as soon as its last reader is done. Slot indices are loaded a pair ahead of
+//    the rows they address, so no gather waits on an index load.
 //  - WG0 and WG1, the consumers: WG0 computes S = Q K^T for the even tile of each pair (K
 //    buffer 0), WG1 for the odd tile (buffer 1), each with the full 64 x 64 x 576 product.
 //    WG0 owns O[:, 0:256), WG1 O[:, 256:512). Each runs the softmax of its own tile and
@@ -44,8 +45,8 @@ static_assert(kRows == 64, "one wgmma M tile of rows per CTA");
 #define KD_SM90A 1
 
 constexpr int kTileKeys = 64, kPairKeys = 2 * kTileKeys;
-// setmaxnreg budgets: 2 x 128 x 232 + 128 x 40 of the 64K registers.
-constexpr int kConsumerRegs = 232, kProducerRegs = 40;
+// setmaxnreg budgets: 2 x 128 x 224 + 128 x 56 of the 64K registers.
+constexpr int kConsumerRegs = 224, kProducerRegs = 56;
 // The first max of a row: finite, so that no -inf - -inf appears; below every real score.
 constexpr float kMaxInit = -1e30f;
 // Named barriers between the two consumers (256 threads; 0 is __syncthreads).
@@ -281,33 +282,39 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
     cp_async_arrive(bar_q);
 
     const Idx* kv_indices = static_cast<const Idx*>(p.kv_indices) + kv_begin;
-    auto row_src = [&](int key) -> const T* {  // null: past this CTA's keys
-      if (key >= key_end) return nullptr;
-      if (key < prefix) return p.kv + static_cast<int64_t>(__ldg(kv_indices + key)) * p.kv_stride;
+    // Key of this thread's row i (tile i / 4, row grp + 16 (i % 4)) of a pair; the prefix slot
+    // behind it (0 for a tree key or past the end). Slots fit int: they index a pool of
+    // 1,152-byte rows in device memory.
+    auto key_of = [&](int pair, int i) { return key_begin + pair * kPairKeys + (i >> 2) * kTileKeys + grp + 16 * (i & 3); };
+    auto slot_of = [&](int key) {
+      return key < prefix && key < key_end ? static_cast<int>(__ldg(kv_indices + key)) : 0;
+    };
+    // Row `key`'s first byte (row 0 of the pool past this CTA's keys, read as zeros).
+    auto row_of = [&](int key, int slot) -> const T* {
+      if (key >= key_end) return p.kv;
+      if (key < prefix) return p.kv + static_cast<int64_t>(slot) * p.kv_stride;
       return p.tree_k + static_cast<int64_t>(q_begin + key - prefix) * p.tk_stride;
     };
+    // This thread's 8 row slots of a pair; each tile's 4 are loaded as soon as that tile's rows
+    // of the previous pair are copied, half a pair before their own copies: no copy waits for
+    // an index load.
+    int slot[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) slot[i] = slot_of(key_of(0, i));
 
     uint32_t free_parity = 1;  // a fresh barrier's "previous phase" counts as complete
 #pragma unroll 1
     for (int pr = 0; pr < n_pairs; ++pr) {
-      // Row j of tile tl: from src[tl][j] (16-byte chunk ck), or zeros past this CTA's keys.
-      const T* src[2][4];
-      bool valid[2][4];
-#pragma unroll
-      for (int tl = 0; tl < 2; ++tl)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const T* row = row_src(key_begin + (2 * pr + tl) * kTileKeys + grp + 16 * j);
-          valid[tl][j] = row != nullptr;
-          src[tl][j] = (row ? row : p.kv) + ck * 8;
-        }
       auto copy = [&](int tl, int cb0, int cb1) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+        for (int j = 0; j < 4; ++j) {
+          const int key = key_of(pr, 4 * tl + j);
+          const T* src = row_of(key, slot[4 * tl + j]) + ck * 8;
 #pragma unroll
           for (int cb = 0; cb < kCols; ++cb)
             if (cb >= cb0 && cb < cb1)
-              cp_async16(sK + tl * kTileBytes + cb * kBlockBytes + 2048 * j + dst, src[tl][j] + cb * 64, valid[tl][j]);
+              cp_async16(sK + tl * kTileBytes + cb * kBlockBytes + 2048 * j + dst, src + cb * 64, key < key_end);
+        }
       };
       // The order the consumers read them: WG0 dims 0-255 then 256-575 of the even tile; WG1
       // 256-575 then 0-255 of the odd one (its dims 0-255 are freed last, by WG0's P V).
@@ -320,9 +327,13 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
       mbar_wait(bar_free(0, 1), free_parity);
       copy(0, 4, kCols);
       cp_async_arrive(bar_ready(0, 1));
+#pragma unroll
+      for (int i = 0; i < 4; ++i) slot[i] = slot_of(key_of(pr + 1, i));
       mbar_wait(bar_free(1, 0), free_parity);
       copy(1, 0, 4);
       cp_async_arrive(bar_ready(1, 0));
+#pragma unroll
+      for (int i = 4; i < 8; ++i) slot[i] = slot_of(key_of(pr + 1, i));
       free_parity ^= 1;
     }
   } else {
