@@ -14,7 +14,9 @@ KDTREE_CHECK=1     validate index ranges and mask shapes on the device before ea
                    (syncs the host; not for CUDA-graph capture).
 KDTREE_VERBOSE=1   show the compiler's output while building.
 KDTREE_VERIFY_WGMMA=0  on sm_90 (H100/H200), run verify attention on the portable mma.sync
-                   kernel instead of the wgmma one (read at every call).
+                   kernel instead of a Hopper one (read at every call).
+KDTREE_VERIFY_SEESAW=0  on sm_90, run verify attention on the first wgmma kernel instead of
+                   the seesaw one (read at every call).
 """
 
 from __future__ import annotations

@@ -423,6 +423,7 @@ VERIFY_GRID = [  # (prefix lens, node counts, heads)
     ([0], [9], 16),  # no prefix
     ([37, 0], [9, 5], 16),
     ([113, 0, 239, 1000, 5], [1, 9, 33, 2, 17], 3),  # unequal trees
+    ([100, 64, 127, 129, 1], [60, 65, 1, 2, 64], 5),  # prefix/tree boundaries at and around 64-key tiles
     ([4096], [9], 1),
     ([2049], [65], 128),
     ([300], [1025], 2),  # largest tree
@@ -430,10 +431,28 @@ VERIFY_GRID = [  # (prefix lens, node counts, heads)
     ([8191, 77], [257, 31], 16),
 ]
 
+# The kernels verify_attn chooses from on an H100/H200 (sm_90); on any other GPU every setting
+# runs the portable kernel.
+VERIFY_KERNEL_ENV = {
+    "seesaw": {},
+    "wgmma": {"KDTREE_VERIFY_SEESAW": "0"},
+    "portable": {"KDTREE_VERIFY_WGMMA": "0"},
+}
+
+
+@pytest.fixture(params=list(VERIFY_KERNEL_ENV))
+def verify_kernel(request, monkeypatch):
+    """Runs the test once per kernel (the choice is read at every call, so also at capture)."""
+    for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in VERIFY_KERNEL_ENV[request.param].items():
+        monkeypatch.setenv(name, value)
+    return request.param
+
 
 @needs_gpu
 @pytest.mark.parametrize("prefix_lens,node_counts,heads", VERIFY_GRID)
-def test_verify_attn_cuda_matches_float64(prefix_lens, node_counts, heads):
+def test_verify_attn_cuda_matches_float64(verify_kernel, prefix_lens, node_counts, heads):
     case = make_verify_case(prefix_lens, node_counts, heads)
     out, lse = kdtree_ops.verify_attn(*verify_args(case))
     assert_verify_close(out, lse, case)
@@ -446,7 +465,7 @@ def test_verify_attn_cuda_matches_float64(prefix_lens, node_counts, heads):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("causal", [False, True])
-def test_verify_attn_cuda_dtypes_layouts(dtype, index_dtype, causal):
+def test_verify_attn_cuda_dtypes_layouts(verify_kernel, dtype, index_dtype, causal):
     case = make_verify_case([513, 64], [16, 7], 8, dtype=dtype, index_dtype=index_dtype,
                             causal=causal, kv_3d=index_dtype == torch.int64)
     out, lse = kdtree_ops.verify_attn(*verify_args(case))
@@ -454,13 +473,11 @@ def test_verify_attn_cuda_dtypes_layouts(dtype, index_dtype, causal):
 
 
 @needs_gpu
-@pytest.mark.parametrize("prefix_lens,node_counts,heads", VERIFY_GRID)
-def test_verify_attn_cuda_portable_kernel(monkeypatch, prefix_lens, node_counts, heads):
-    """On sm_90 the wgmma kernel serves verify_attn; KDTREE_VERIFY_WGMMA=0 keeps the portable
-    mma.sync kernel (every other GPU's) checked on the same machine."""
-    monkeypatch.setenv("KDTREE_VERIFY_WGMMA", "0")
-    case = make_verify_case(prefix_lens, node_counts, heads)
-    out, lse = kdtree_ops.verify_attn(*verify_args(case), max_kv_len=max(prefix_lens))
+@pytest.mark.parametrize("sm_scale", [-0.07, 0.0])
+def test_verify_attn_cuda_nonpositive_scale(verify_kernel, sm_scale):
+    """Scales the seesaw kernel does not take run on another kernel, with the same result."""
+    case = dict(make_verify_case([700, 30], [9, 17], 8), sm_scale=sm_scale)
+    out, lse = kdtree_ops.verify_attn(*verify_args(case))
     assert_verify_close(out, lse, case)
 
 
@@ -481,12 +498,10 @@ def test_verify_attn_reference_int64_indptr():
 
 
 @needs_gpu
-@pytest.mark.parametrize("wgmma", ["1", "0"])
 @pytest.mark.parametrize("kv_dtype,qo_dtype", INDPTR_DTYPES)
-def test_verify_attn_cuda_indptr_dtypes(monkeypatch, wgmma, kv_dtype, qo_dtype):
+def test_verify_attn_cuda_indptr_dtypes(verify_kernel, kv_dtype, qo_dtype):
     """kv_indptr and qo_indptr each int32 or int64 (SGLang's graph buffers mix them), read
-    natively by both kernels, eager and in a replayed CUDA graph."""
-    monkeypatch.setenv("KDTREE_VERIFY_WGMMA", wgmma)
+    natively by every kernel, eager and in a replayed CUDA graph."""
     shape = ([113, 0, 1500], [9, 5, 17], 16)
     case = with_indptr_dtypes(make_verify_case(*shape), kv_dtype, qo_dtype)
     out, lse = kdtree_ops.verify_attn(*verify_args(case), max_kv_len=1500)
@@ -531,11 +546,8 @@ def test_verify_attn_out_writes_strided_buffer():
 
 
 @needs_gpu
-@pytest.mark.parametrize("wgmma", ["1", "0"])
-def test_verify_attn_cuda_graph(monkeypatch, wgmma):
-    """Capture and replay with fresh inputs; on sm_90 both the wgmma and (with
-    KDTREE_VERIFY_WGMMA=0) the portable kernel, since the kernel is chosen at capture."""
-    monkeypatch.setenv("KDTREE_VERIFY_WGMMA", wgmma)
+def test_verify_attn_cuda_graph(verify_kernel):
+    """Capture and replay with fresh inputs (splits, so the merge is captured too)."""
     shape = ([1500, 40], [9, 13], 16)
 
     def fresh():

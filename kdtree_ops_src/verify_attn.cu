@@ -12,7 +12,8 @@
 // O += P V: warp w owns all 64 rows x dims [64w, 64w+64). Shared memory stays under 99 KB
 // (sm_120) with two 32-key stages of 1,152-byte rows loaded by 16-byte cp.async.
 //
-// On sm_90 (H100/H200) verify_attn_sm90.cu's wgmma kernel takes the same CTAs instead.
+// On sm_90 (H100/H200) a Hopper kernel takes the same CTAs instead (verify_attn_sm90_seesaw.cu;
+// verify_attn_sm90.cu).
 #include "verify_attn.cuh"
 
 namespace kdtree {
@@ -345,6 +346,11 @@ __global__ void __launch_bounds__(128) merge_splits_kernel(const VerifyParams<T>
   __shared__ float s_lse;
   const int64_t row = blockIdx.x;
   const int tid = threadIdx.x;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Launched behind the seesaw kernel as a programmatic dependent: its partials are complete
+  // and visible only after this (a no-op after an ordinary launch).
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
   if (tid < 32) {
     float mx = -INFINITY;
     for (int s = tid; s < p.splits; s += 32) mx = fmaxf(mx, p.part_lse[s * p.rows_total + row]);
@@ -462,12 +468,15 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   // one size), otherwise the unpadded count.
   const int64_t work_tiles = T % batch == 0 ? batch * ceil_div(T / batch * H, kRows) : ceil_div(T * H, kRows);
   // Fewest waves per unit of prefix: time ~ ceil(tiles * s / slots) / s; among equals take the
-  // smallest s (less to merge). Short prefixes (hint) are not cut below 256 keys per split.
+  // smallest s (less to merge). Short prefixes (hint) are not cut below 256 keys per split
+  // (128, one tile pair, for the seesaw kernel).
+  const VerifyKernel which = pick_verify_kernel(sm_scale);
   const int64_t slots = num_sms(q);  // one CTA per SM (registers; shared memory on sm_90)
   // Splitting only pays while the row tiles alone leave SMs idle: each split re-reads Q and
   // writes a 2 KB partial per row.
   int64_t max_split = std::min<int64_t>(kMaxSplits, (2 * slots + work_tiles - 1) / work_tiles);
-  if (max_kv_len >= 0) max_split = std::clamp<int64_t>(max_kv_len / 256, 1, max_split);
+  const int64_t min_split_keys = which == VerifyKernel::kSeesaw ? 128 : 256;
+  if (max_kv_len >= 0) max_split = std::clamp<int64_t>(max_kv_len / min_split_keys, 1, max_split);
   if (work_tiles >= slots) max_split = 1;
   int64_t splits = 1;
   double best = 1e30;
@@ -520,15 +529,28 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
 
     const bool idx32 = kv_indices.scalar_type() == at::kInt;
     const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(splits));
-    if (!launch_verify_attn_sm90(p, idx32, grid, current_stream())) {
+    if (which == VerifyKernel::kPortable) {
       auto kernel = idx32 ? verify_attn_kernel<T_, int32_t> : verify_attn_kernel<T_, int64_t>;
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
       kernel<<<grid, kThreads, kSmemBytes, current_stream()>>>(p);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
+    } else {
+      launch_verify_attn_sm90(which, p, idx32, grid, current_stream());
     }
     if (splits > 1) {
-      merge_splits_kernel<T_><<<static_cast<unsigned>(T * H), 128, 0, current_stream()>>>(p);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      // Behind the seesaw kernel, a programmatic dependent launch: the merge's blocks start
+      // as that kernel's CTAs retire and wait on the device (griddepcontrol.wait) for all of
+      // it, instead of the host-side gap between two launches.
+      cudaLaunchAttribute pdl{};
+      pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      pdl.val.programmaticStreamSerializationAllowed = 1;
+      cudaLaunchConfig_t cfg{};
+      cfg.gridDim = dim3(static_cast<unsigned>(T * H));
+      cfg.blockDim = dim3(128);
+      cfg.stream = current_stream();
+      cfg.attrs = &pdl;
+      cfg.numAttrs = which == VerifyKernel::kSeesaw ? 1 : 0;
+      C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, merge_splits_kernel<T_>, p));
     }
   });
 }

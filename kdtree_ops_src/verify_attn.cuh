@@ -1,7 +1,8 @@
-// Shared by the portable verify-attention kernel (verify_attn.cu) and the Hopper wgmma kernel
-// (verify_attn_sm90.cu). Both take the same work split (CTA = one request's kRows (node, head)
-// rows x one prefix split, keys in kKeys tiles) and write the same direct or partial outputs, so
-// the host's split heuristic and the split merge serve either kernel.
+// Shared by the verify-attention kernels: the portable one (verify_attn.cu) and the Hopper ones
+// (verify_attn_sm90_seesaw.cu, verify_attn_sm90.cu). All take the same grid (CTA = one
+// request's kRows (node, head) rows x one split of its keys) and write the same direct or
+// partial outputs, so the host's split heuristic and the split merge serve any of them; how a
+// request's keys are split may differ between kernels (the merge is order-free).
 #pragma once
 
 #include "common.cuh"
@@ -123,10 +124,24 @@ __device__ __forceinline__ CtaSpan cta_span(const VerifyParams<T>& p, int b, int
   return c;
 }
 
-// Runs the wgmma kernel on grid (row tiles, splits) when the current device is sm_90 and this
-// build carries its sm_90a code; returns false, launching nothing, otherwise (or when
-// KDTREE_VERIFY_WGMMA=0), so the caller falls back to the portable kernel.
+// The kernel that serves verify_attn on grid (row tiles, splits).
+enum class VerifyKernel {
+  kPortable,  // verify_attn.cu, mma.sync: every GPU but sm_90
+  kWgmma,     // verify_attn_sm90.cu
+  kSeesaw,    // verify_attn_sm90_seesaw.cu; lets the split merge start early (programmatic
+              // dependent launch)
+};
+
+// kSeesaw when the current device is sm_90 and this build carries its sm_90a code, unless
+// KDTREE_VERIFY_WGMMA=0 (kPortable) or KDTREE_VERIFY_SEESAW=0 (kWgmma); the seesaw kernel
+// takes a positive, finite scale only (kWgmma otherwise). Read at every call.
+VerifyKernel pick_verify_kernel(double sm_scale);
+
+// Launches the wgmma or the seesaw kernel (not kPortable).
 template <typename T>
-bool launch_verify_attn_sm90(const VerifyParams<T>& p, bool idx32, dim3 grid, cudaStream_t stream);
+void launch_verify_attn_sm90(VerifyKernel kernel, const VerifyParams<T>& p, bool idx32, dim3 grid,
+                             cudaStream_t stream);
+template <typename T>
+void launch_verify_attn_seesaw(const VerifyParams<T>& p, bool idx32, dim3 grid, cudaStream_t stream);
 
 }  // namespace kdtree

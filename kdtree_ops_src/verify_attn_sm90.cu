@@ -19,6 +19,7 @@
 // few to cover the gather latency.
 #include "verify_attn.cuh"
 
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 
@@ -474,12 +475,10 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_sm90_kernel(const Ver
 #endif
 }
 
-// Whether the current device runs verify_attn_sm90_kernel: an sm_90 GPU, and code built for
+// Whether the current device runs the sm_90a kernels: an sm_90 GPU, and code built for
 // sm_90a (kdtree_ops builds 9.0 as sm_90a) rather than JIT-compiled from older PTX, which
-// would hold only the trap. KDTREE_VERIFY_WGMMA=0 opts out, read per call so tests can cover
-// the portable kernel on the same GPU.
+// would hold only the trap.
 bool sm90_ready() {
-  if (const char* env = std::getenv("KDTREE_VERIFY_WGMMA"); env && std::strcmp(env, "0") == 0) return false;
   int dev = 0, major = 0, minor = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
@@ -496,19 +495,35 @@ bool sm90_ready() {
   return built;
 }
 
+bool env_off(const char* name) {
+  const char* env = std::getenv(name);
+  return env && std::strcmp(env, "0") == 0;
+}
+
 }  // namespace
 
+VerifyKernel pick_verify_kernel(double sm_scale) {
+  if (env_off("KDTREE_VERIFY_WGMMA") || !sm90_ready()) return VerifyKernel::kPortable;
+  // The seesaw kernel scales row maxima instead of every score: that needs a positive,
+  // finite scale in the float the kernel gets.
+  const float scale_log2 = static_cast<float>(sm_scale * 1.4426950408889634);
+  if (env_off("KDTREE_VERIFY_SEESAW") || !(scale_log2 > 0.f) || !std::isfinite(scale_log2)) return VerifyKernel::kWgmma;
+  return VerifyKernel::kSeesaw;
+}
+
 template <typename T>
-bool launch_verify_attn_sm90(const VerifyParams<T>& p, bool idx32, dim3 grid, cudaStream_t stream) {
-  if (!sm90_ready()) return false;
+void launch_verify_attn_sm90(VerifyKernel which, const VerifyParams<T>& p, bool idx32, dim3 grid, cudaStream_t stream) {
+  if (which == VerifyKernel::kSeesaw) {
+    launch_verify_attn_seesaw(p, idx32, grid, stream);
+    return;
+  }
   auto kernel = idx32 ? verify_attn_sm90_kernel<T, int32_t> : verify_attn_sm90_kernel<T, int64_t>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return true;
 }
 
-template bool launch_verify_attn_sm90<__nv_bfloat16>(const VerifyParams<__nv_bfloat16>&, bool, dim3, cudaStream_t);
-template bool launch_verify_attn_sm90<__half>(const VerifyParams<__half>&, bool, dim3, cudaStream_t);
+template void launch_verify_attn_sm90<__nv_bfloat16>(VerifyKernel, const VerifyParams<__nv_bfloat16>&, bool, dim3, cudaStream_t);
+template void launch_verify_attn_sm90<__half>(VerifyKernel, const VerifyParams<__half>&, bool, dim3, cudaStream_t);
 
 }  // namespace kdtree

@@ -1,0 +1,635 @@
+// Hopper (sm_90a) tree-verify attention with the "seesaw" schedule. Same rows per CTA as the
+// other kernels (64 (node, head) rows of one request), same outputs and split merge; keys in
+// 64-key tiles taken two at a time.
+//
+// CTA = 3 warpgroups:
+//  - WG2, the producer (few registers): gathers Q, then the keys' 1,152-byte rows by slot index
+//    with 16-byte cp.async (page size 1: no tensor-map tile to TMA) into two K buffers, each
+//    in two halves (dims 0-255; dims 256-575) with their own ready/free mbarriers, so a half
+//    is refilled as soon as its last reader is done. Slot indices are loaded a pair ahead of
+//    the rows they address, so no gather waits on an index load.
+//  - WG0 and WG1, the consumers: WG0 computes S = Q K^T for the even tile of each pair (K
+//    buffer 0), WG1 for the odd tile (buffer 1), each with the full 64 x 64 x 576 product.
+//    WG0 owns O[:, 0:256), WG1 O[:, 256:512). Each runs the softmax of its own tile and
+//    multiplies its P into its own O half from registers (wgmma RS) and, through shared
+//    memory, into the other's half (wgmma SS): while one runs its softmax on the ALUs the
+//    tensor cores run the other's products. The running max goes WG0 -> WG1 -> WG0 through
+//    shared memory; WG0 rescales its P and O once WG1 has seen the odd tile.
+// Keys: request b's keys are its prefix slots followed by its tree nodes; a CTA takes an
+// equal, 128-key aligned share of them (its prefix split). Only a tile that reaches the tree
+// (or the end) runs mask code; every prefix tile is unmasked. An odd tile count leaves the
+// last pair's odd tile past the end: zero-filled and fully masked.
+// Shared memory (226 KB): Q 72 KB + 2 K buffers x 72 KB + P of the odd tile 8 KB; the even
+// tile's P takes K buffer 0's rope block, dead once that tile's Q K^T is done.
+#include "verify_attn.cuh"
+
+namespace kdtree {
+namespace {
+
+constexpr int kWgThreads = 128, kThreads = 3 * kWgThreads;
+constexpr int kCols = kDqk / 64;                 // 64-dim (128-byte) column blocks per row
+constexpr int kBlockBytes = 64 * 128;            // one column block of 64 rows or 64 keys
+constexpr int kTileBytes = kCols * kBlockBytes;  // Q, or one K buffer: 72 KB
+constexpr int kOffK = kTileBytes;
+constexpr int kOffS1 = kOffK + 2 * kTileBytes;
+constexpr int kOffMax = kOffS1 + kBlockBytes;    // [64] running max, handed WG0 -> WG1 -> WG0
+constexpr int kOffSum = kOffMax + kRows * 4;     // [2][64] each consumer's row sums
+constexpr int kOffBar = kOffSum + 2 * kRows * 4; // mbarriers: Q full, K ready [buf][half], K free [buf][half]
+constexpr int kOffTile = kOffBar + 8 * 9;
+// The dynamic shared window is only 16-byte aligned; swizzled blocks need 1024.
+constexpr int kSmemBytes = kOffTile + 8 + 1024;
+static_assert(kSmemBytes <= 227 * 1024, "must fit sm_90's 227 KB per block");
+static_assert(kRows == 64, "one wgmma M tile of rows per CTA");
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define KD_SM90A 1
+
+constexpr int kTileKeys = 64, kPairKeys = 2 * kTileKeys;
+// setmaxnreg budgets: 2 x 128 x 224 + 128 x 56 of the 64K registers.
+constexpr int kConsumerRegs = 224, kProducerRegs = 56;
+// The first max of a row: finite, so that no -inf - -inf appears; below every real score.
+constexpr float kMaxInit = -1e30f;
+// Named barriers between the two consumers (256 threads; 0 is __syncthreads).
+constexpr int kBarMax0 = 1, kBarMax1 = 2, kBarP0 = 3, kBarP1 = 4, kBarSum = 5;
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+// The loop's branch is warp-uniform (vote, bra.uni): a wgmma chain may run across the wait
+// without ptxas serializing the kernel's wgmma ops.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred p, all;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "vote.sync.all.pred all, p, 0xffffffff;\n"
+      "@!all bra.uni WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Arrives on `bar` once every earlier cp.async of this thread has landed.
+__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// wgmma reads shared memory through the async proxy: order it after generic-proxy writes
+// (P stores, and the cp.async rows this thread has seen land).
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void named_sync(int id) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(2 * kWgThreads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(2 * kWgThreads) : "memory");
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Accumulators are written by wgmma behind the compiler's back: pin them after a wait so no
+// read is hoisted above it.
+template <int N> __device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// Shared-memory matrix descriptor, 128-byte swizzle: start address, leading and stride byte
+// offsets (16-byte units). K-major operands (Q, K, P) ignore the leading offset; V (the K
+// buffer read MN-major) steps its 64-dim blocks by it.
+__device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | static_cast<uint64_t>(lbo >> 4) << 16 |
+         static_cast<uint64_t>(sbo >> 4) << 32 | uint64_t{1} << 62;
+}
+
+#define KD_ACC8(i)                                                                                   \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]),        \
+      "+f"(d[i + 6]), "+f"(d[i + 7])
+#define KD_ACC32(i) KD_ACC8(i), KD_ACC8(i + 8), KD_ACC8(i + 16), KD_ACC8(i + 24)
+#define KD_REGS32                                                                                    \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, " \
+  "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+#define KD_REGS128                                                                                   \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, " \
+  "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, "  \
+  "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, "   \
+  "%59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, "  \
+  "%78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, "  \
+  "%97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, "    \
+  "%113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+#define KD_WGMMA_QK(TY)                                                                              \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                          \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " KD_REGS32                 \
+               "%32, %33, p, 1, 1, 0, 0;\n}\n"                                                       \
+               : KD_ACC32(0)                                                                         \
+               : "l"(a), "l"(b), "n"(int(Accumulate)))
+#define KD_WGMMA_PV_RS(TY)                                                                           \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                            \
+               "wgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " " KD_REGS128               \
+               "{%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"                                    \
+               : KD_ACC32(0), KD_ACC32(32), KD_ACC32(64), KD_ACC32(96)                               \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
+#define KD_WGMMA_PV_SS(TY)                                                                           \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                            \
+               "wgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " " KD_REGS128               \
+               "%128, %129, p, 1, 1, 0, 1;\n}\n"                                                     \
+               : KD_ACC32(0), KD_ACC32(32), KD_ACC32(64), KD_ACC32(96)                               \
+               : "l"(a), "l"(b))
+
+// S (+)= Q K^T over 16 dims: 64 rows x 64 keys, Q and K K-major.
+template <typename T, bool Accumulate>
+__device__ __forceinline__ void wgmma_qk(float (&d)[32], uint64_t a, uint64_t b) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) KD_WGMMA_QK("bf16");
+  else KD_WGMMA_QK("f16");
+}
+// O += P V over 16 keys, P from registers (the S accumulator layout is wgmma's A layout).
+template <typename T>
+__device__ __forceinline__ void wgmma_pv_rs(float (&d)[128], const uint32_t* a, uint64_t b) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) KD_WGMMA_PV_RS("bf16");
+  else KD_WGMMA_PV_RS("f16");
+}
+// O += P V over 16 keys, P from shared memory (the other consumer's tile).
+template <typename T>
+__device__ __forceinline__ void wgmma_pv_ss(float (&d)[128], uint64_t a, uint64_t b) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) KD_WGMMA_PV_SS("bf16");
+  else KD_WGMMA_PV_SS("f16");
+}
+#undef KD_ACC8
+#undef KD_ACC32
+#undef KD_REGS32
+#undef KD_REGS128
+#undef KD_WGMMA_QK
+#undef KD_WGMMA_PV_RS
+#undef KD_WGMMA_PV_SS
+
+// S = Q K^T over column blocks [Cb0, Cb1) of K buffer `kbuf` (Zero: the batch's first op
+// overwrites S). A 16-dim step is +32 B inside a 128-byte swizzled block, then the next block.
+template <typename T, int Cb0, int Cb1, bool Zero>
+__device__ __forceinline__ void issue_qk(float (&s)[32], uint32_t sQ, uint32_t kbuf) {
+  const uint64_t qd = make_desc(sQ, 16, 1024), kd = make_desc(kbuf, 16, 1024);
+#pragma unroll
+  for (int cb = Cb0; cb < Cb1; ++cb)
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const uint32_t off = (cb * kBlockBytes + kk * 32) >> 4;
+      if (Zero && cb == Cb0 && kk == 0) wgmma_qk<T, false>(s, qd + off, kd + off);
+      else wgmma_qk<T, true>(s, qd + off, kd + off);
+    }
+}
+// O += P V for one 64-key tile: V = dims [256h, 256h + 256) of a K buffer, 16 keys (2 KB of
+// 8-key groups) per step.
+template <typename T>
+__device__ __forceinline__ void issue_pv_rs(float (&o)[128], const uint32_t (&ps)[16], uint64_t vd) {
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) wgmma_pv_rs<T>(o, ps + 4 * kk, vd + ((kk * 2048) >> 4));
+}
+template <typename T>
+__device__ __forceinline__ void issue_pv_ss(float (&o)[128], uint32_t sP, uint64_t vd) {
+  const uint64_t pd = make_desc(sP, 16, 1024);
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) wgmma_pv_ss<T>(o, pd + ((kk * 32) >> 4), vd + ((kk * 2048) >> 4));
+}
+__device__ __forceinline__ uint64_t v_desc(uint32_t kbuf, int half) {
+  return make_desc(kbuf + half * 4 * kBlockBytes, kBlockBytes, 1024);
+}
+
+// What one CTA covers of request b: its rows, and its share of the request's keys (prefix
+// slots, then tree nodes), in tile pairs.
+struct SeesawSpan {
+  int q_begin, rows_b, kv_begin, prefix, key_begin, key_end, n_pairs;
+};
+template <typename T>
+__device__ __forceinline__ SeesawSpan seesaw_span(const VerifyParams<T>& p, int b, int split) {
+  SeesawSpan c;
+  c.q_begin = load_indptr(p.qo_indptr, p.qo_indptr64, b);
+  const int nodes = load_indptr(p.qo_indptr, p.qo_indptr64, b + 1) - c.q_begin;
+  c.rows_b = nodes * p.heads;
+  c.kv_begin = load_indptr(p.kv_indptr, p.kv_indptr64, b);
+  c.prefix = load_indptr(p.kv_indptr, p.kv_indptr64, b + 1) - c.kv_begin;
+  const int64_t total = static_cast<int64_t>(c.prefix) + nodes;
+  const int64_t pairs = (total + kPairKeys - 1) / kPairKeys;
+  const int64_t chunk = (pairs + p.splits - 1) / p.splits * kPairKeys;
+  const int64_t begin = split * chunk < total ? split * chunk : total;
+  c.key_begin = static_cast<int>(begin);
+  c.key_end = static_cast<int>(begin + chunk < total ? begin + chunk : total);
+  c.n_pairs = (c.key_end - c.key_begin + kPairKeys - 1) / kPairKeys;
+  return c;
+}
+
+#endif  // sm_90a
+
+template <typename T, typename Idx>
+__global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const VerifyParams<T> p) {
+#ifdef KD_SM90A
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  const uint32_t s_base = smem_addr(smem);
+  const uint32_t sQ = s_base, sK = s_base + kOffK, sP1 = s_base + kOffS1;
+  const uint32_t sP0 = sK + (kCols - 1) * kBlockBytes;
+  float* s_max = reinterpret_cast<float*>(smem + kOffMax);
+  float* s_sum = reinterpret_cast<float*>(smem + kOffSum);
+  const uint32_t bar_q = s_base + kOffBar;
+  auto bar_ready = [&](int buf, int half) { return bar_q + 8 * (1 + 2 * buf + half); };
+  auto bar_free = [&](int buf, int half) { return bar_q + 8 * (5 + 2 * buf + half); };
+  int* s_tile = reinterpret_cast<int*>(smem + kOffTile);
+
+  const int tid = threadIdx.x, wg = tid / kWgThreads, lt = tid % kWgThreads;
+  if (tid < 32) {
+    int req, row0;
+    find_row_tile(p, blockIdx.x, tid, req, row0);
+    if (tid == 0) {
+      s_tile[0] = req;
+      s_tile[1] = row0;
+    }
+  }
+  if (tid == 32) {
+    mbar_init(bar_q, kWgThreads);
+    for (int i = 0; i < 8; ++i) mbar_init(bar_q + 8 * (1 + i), kWgThreads);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  const int b = s_tile[0], row0 = s_tile[1];
+  if (b < 0) return;
+  // The split merge (launched behind this kernel) may be scheduled now; it waits for this
+  // grid's completion before it reads anything.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+
+  const int split = blockIdx.y;
+  const auto [q_begin, rows_b, kv_begin, prefix, key_begin, key_end, n_pairs] = seesaw_span(p, b, split);
+
+  if (wg == 2) {
+    // ================= producer: Q, then K tiles by slot =================
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
+    // Thread (group grp, chunk ck): rows grp + 16 j (j < 4) of a tile, 16-byte chunk ck of each
+    // of their 128-byte column blocks; eight threads read 128 contiguous bytes of a row.
+    const int grp = lt >> 3, ck = lt & 7;
+    const uint32_t dst = grp * 128 + ((ck ^ (grp & 7)) << 4);  // (grp + 16 j) & 7 == grp & 7
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      // A row past the request reads nothing (src-size 0: zeros) from row 0 of q.
+      const int m = row0 + grp + 16 * j;
+      const T* src = p.q + ck * 8;
+      if (m < rows_b) {
+        const int node = m / p.heads, head = m - node * p.heads;
+        src += (q_begin + node) * p.q_st + head * p.q_sh;
+      }
+#pragma unroll
+      for (int cb = 0; cb < kCols; ++cb)
+        cp_async16(sQ + cb * kBlockBytes + 2048 * j + dst, src + cb * 64, m < rows_b);
+    }
+    cp_async_arrive(bar_q);
+
+    const Idx* kv_indices = static_cast<const Idx*>(p.kv_indices) + kv_begin;
+    // Key of this thread's row i (tile i / 4, row grp + 16 (i % 4)) of a pair; the prefix slot
+    // behind it (0 for a tree key or past the end). Slots fit int: they index a pool of
+    // 1,152-byte rows in device memory.
+    auto key_of = [&](int pair, int i) { return key_begin + pair * kPairKeys + (i >> 2) * kTileKeys + grp + 16 * (i & 3); };
+    auto slot_of = [&](int key) {
+      return key < prefix && key < key_end ? static_cast<int>(__ldg(kv_indices + key)) : 0;
+    };
+    // Row `key`'s first byte (row 0 of the pool past this CTA's keys, read as zeros).
+    auto row_of = [&](int key, int slot) -> const T* {
+      if (key >= key_end) return p.kv;
+      if (key < prefix) return p.kv + static_cast<int64_t>(slot) * p.kv_stride;
+      return p.tree_k + static_cast<int64_t>(q_begin + key - prefix) * p.tk_stride;
+    };
+    // This thread's 8 row slots of a pair; each tile's 4 are loaded as soon as that tile's rows
+    // of the previous pair are copied, half a pair before their own copies: no copy waits for
+    // an index load.
+    int slot[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) slot[i] = slot_of(key_of(0, i));
+
+    uint32_t free_parity = 1;  // a fresh barrier's "previous phase" counts as complete
+#pragma unroll 1
+    for (int pr = 0; pr < n_pairs; ++pr) {
+      auto copy = [&](int tl, int cb0, int cb1) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int key = key_of(pr, 4 * tl + j);
+          const T* src = row_of(key, slot[4 * tl + j]) + ck * 8;
+#pragma unroll
+          for (int cb = 0; cb < kCols; ++cb)
+            if (cb >= cb0 && cb < cb1)
+              cp_async16(sK + tl * kTileBytes + cb * kBlockBytes + 2048 * j + dst, src + cb * 64, key < key_end);
+        }
+      };
+      // The order the consumers read them: WG0 dims 0-255 then 256-575 of the even tile; WG1
+      // 256-575 then 0-255 of the odd one (its dims 0-255 are freed last, by WG0's P V).
+      mbar_wait(bar_free(0, 0), free_parity);
+      copy(0, 0, 4);
+      cp_async_arrive(bar_ready(0, 0));
+      mbar_wait(bar_free(1, 1), free_parity);
+      copy(1, 4, kCols);
+      cp_async_arrive(bar_ready(1, 1));
+      mbar_wait(bar_free(0, 1), free_parity);
+      copy(0, 4, kCols);
+      cp_async_arrive(bar_ready(0, 1));
+#pragma unroll
+      for (int i = 0; i < 4; ++i) slot[i] = slot_of(key_of(pr + 1, i));
+      mbar_wait(bar_free(1, 0), free_parity);
+      copy(1, 0, 4);
+      cp_async_arrive(bar_ready(1, 0));
+#pragma unroll
+      for (int i = 4; i < 8; ++i) slot[i] = slot_of(key_of(pr + 1, i));
+      free_parity ^= 1;
+    }
+  } else {
+    // ================= consumers =================
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+    const int lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    // This thread's two rows of every m64 accumulator: columns 8 i + 2 t4 + {0, 1} of row rA
+    // in d[4 i], d[4 i + 1] and of row rB in d[4 i + 2], d[4 i + 3].
+    const int rA = (lt >> 5) * 16 + g, rB = rA + 8;
+    const int mA = row0 + rA, mB = row0 + rB;
+    const int nodeA = mA < rows_b ? mA / p.heads : 0, nodeB = mB < rows_b ? mB / p.heads : 0;
+    const int32_t* maskA = p.mask ? p.mask + (q_begin + nodeA) * p.mask_stride : nullptr;
+    const int32_t* maskB = p.mask ? p.mask + (q_begin + nodeB) * p.mask_stride : nullptr;
+    const float c = p.scale_log2;  // > 0 (the host sends other scales elsewhere)
+    const int unmasked_end = min(prefix, key_end);  // tiles below need no mask
+
+    auto tree_visible = [&](const int32_t* mrow, int node, int j) {
+      return mrow ? (j >> 5) < p.mask_words && ((mrow[j >> 5] >> (j & 31)) & 1) : j <= node;
+    };
+    // Row maxima of tile S (first key key0) in the log2 domain, masking it first if it reaches
+    // the tree or the end. Masked scores are -inf: times c > 0 they stay -inf and exp to 0.
+    auto tile_max = [&](float (&s)[32], int key0, float& mxA, float& mxB) {
+      if (key0 + kTileKeys > unmasked_end) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int key = key0 + 8 * i + 2 * t4 + e;
+            bool inA = key < key_end, inB = inA;
+            if (inA && key >= prefix) {
+              inA = tree_visible(maskA, nodeA, key - prefix);
+              inB = tree_visible(maskB, nodeB, key - prefix);
+            }
+            if (!inA) s[4 * i + e] = -INFINITY;
+            if (!inB) s[4 * i + 2 + e] = -INFINITY;
+          }
+      }
+      mxA = mxB = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        mxA = fmaxf(mxA, fmaxf(s[4 * i], s[4 * i + 1]));
+        mxB = fmaxf(mxB, fmaxf(s[4 * i + 2], s[4 * i + 3]));
+      }
+      mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 1));
+      mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 1));
+      mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 2));
+      mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 2));
+      mxA *= c;
+      mxB *= c;
+    };
+    // A row's max only moves when a tile beats it by kRescaleSlack: P stays <= 2^8 and most
+    // tiles rescale nothing.
+    auto next_max = [](float run, float mx) { return mx > run + kRescaleSlack ? mx : run; };
+    // P = 2^(S c - max), kept in S (float) and packed into ps, wgmma's A-fragment layout for
+    // 16-key steps (ps[4 kk .. 4 kk + 3]); adds this thread's share of the row sums.
+    auto exp_tile = [&](float (&s)[32], uint32_t (&ps)[16], float mA, float mB, float& lA, float& lB) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          s[4 * i + e] = fast_exp2(fmaf(s[4 * i + e], c, -mA));
+          s[4 * i + 2 + e] = fast_exp2(fmaf(s[4 * i + 2 + e], c, -mB));
+          lA += s[4 * i + e];
+          lB += s[4 * i + 2 + e];
+        }
+#pragma unroll
+      for (int q = 0; q < 16; ++q) ps[q] = pack2<T>(s[2 * q], s[2 * q + 1]);
+    };
+    auto scale_o = [](float (&o)[128], float aA, float aB) {
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        o[4 * j] *= aA;
+        o[4 * j + 1] *= aA;
+        o[4 * j + 2] *= aB;
+        o[4 * j + 3] *= aB;
+      }
+    };
+    // P into the other consumer's 128-byte swizzled K-major buffer: row r's 16-byte chunk i
+    // (keys 8 i ..) sits at chunk i ^ (r & 7).
+    auto store_p = [&](uint32_t sP, const uint32_t (&ps)[16]) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sP + rA * 128 + ((i ^ (rA & 7)) << 4) + t4 * 4), "r"(ps[2 * i]));
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sP + rB * 128 + ((i ^ (rB & 7)) << 4) + t4 * 4), "r"(ps[2 * i + 1]));
+      }
+    };
+
+    float o[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) o[i] = 0.f;
+    float s[32];
+    uint32_t ps[16];
+    // Running max (log2 domain) of rows rA, rB, and this thread's share of their sums.
+    float runA = kMaxInit, runB = kMaxInit, lA = 0.f, lB = 0.f;
+    mbar_wait(bar_q, 0);
+
+    if (wg == 0) {
+      const uint64_t v0 = v_desc(sK, 0), v1 = v_desc(sK + kTileBytes, 0);
+#pragma unroll 1
+      for (int pr = 0; pr < n_pairs; ++pr) {
+        const uint32_t parity = pr & 1;
+        if (pr == 0) {
+          mbar_wait(bar_ready(0, 0), 0);
+          fence_proxy_async();
+          wgmma_fence();
+          issue_qk<T, 0, 4, true>(s, sQ, sK);
+          mbar_wait(bar_ready(0, 1), 0);
+          fence_proxy_async();
+          issue_qk<T, 4, kCols, false>(s, sQ, sK);
+          wgmma_commit();
+          wgmma_wait<0>();
+          fence_regs(s);
+        }
+        // softmax of the even tile against this thread's running max
+        float mxA, mxB;
+        tile_max(s, key_begin + 2 * pr * kTileKeys, mxA, mxB);
+        {
+          const float nA = next_max(runA, mxA), nB = next_max(runB, mxB);
+          const float aA = nA != runA ? fast_exp2(runA - nA) : 1.f, aB = nB != runB ? fast_exp2(runB - nB) : 1.f;
+          runA = nA;
+          runB = nB;
+          lA *= aA;
+          lB *= aB;
+          if (aA != 1.f || aB != 1.f) scale_o(o, aA, aB);
+        }
+        exp_tile(s, ps, runA, runB, lA, lB);
+        if (t4 == 0) {
+          s_max[rA] = runA;
+          s_max[rB] = runB;
+        }
+        named_arrive(kBarMax0);
+        // O[:, 0:256) += P0 V0
+        wgmma_fence();
+        issue_pv_rs<T>(o, ps, v0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(o);
+        mbar_arrive(bar_free(0, 0));
+        // WG1's odd tile may have moved the max: bring P0 to it, hand P0 over, rescale O
+        named_sync(kBarMax1);
+        {
+          const float nA = s_max[rA], nB = s_max[rB];
+          const float aA = nA != runA ? fast_exp2(runA - nA) : 1.f, aB = nB != runB ? fast_exp2(runB - nB) : 1.f;
+          runA = nA;
+          runB = nB;
+          if (aA != 1.f || aB != 1.f) {
+#pragma unroll
+            for (int q = 0; q < 16; ++q) {
+              const float a = (q & 1) ? aB : aA;
+              ps[q] = pack2<T>(s[2 * q] * a, s[2 * q + 1] * a);
+            }
+          }
+          store_p(sP0, ps);
+          fence_proxy_async();
+          named_arrive(kBarP0);
+          lA *= aA;
+          lB *= aB;
+          if (aA != 1.f || aB != 1.f) scale_o(o, aA, aB);
+        }
+        // O[:, 0:256) += P1 V1
+        named_sync(kBarP1);
+        wgmma_fence();
+        issue_pv_ss<T>(o, sP1, v1);
+        wgmma_commit();
+        if (pr + 1 < n_pairs) {
+          // the next even tile's S while P1 V1 runs
+          mbar_wait(bar_ready(0, 0), parity ^ 1);
+          fence_proxy_async();
+          wgmma_fence();
+          issue_qk<T, 0, 4, true>(s, sQ, sK);
+          wgmma_commit();
+          wgmma_wait<1>();
+          mbar_arrive(bar_free(1, 0));
+          mbar_wait(bar_ready(0, 1), parity ^ 1);
+          fence_proxy_async();
+          issue_qk<T, 4, kCols, false>(s, sQ, sK);
+          wgmma_commit();
+          wgmma_wait<0>();
+          fence_regs(s);
+          fence_regs(o);
+        } else {
+          wgmma_wait<0>();
+          fence_regs(o);
+          mbar_arrive(bar_free(1, 0));
+        }
+      }
+    } else {
+      const uint64_t v1 = v_desc(sK + kTileBytes, 1), v0 = v_desc(sK, 1);
+#pragma unroll 1
+      for (int pr = 0; pr < n_pairs; ++pr) {
+        const uint32_t parity = pr & 1;
+        mbar_wait(bar_ready(1, 1), parity);
+        fence_proxy_async();
+        wgmma_fence();
+        issue_qk<T, 4, kCols, true>(s, sQ, sK + kTileBytes);
+        mbar_wait(bar_ready(1, 0), parity);
+        fence_proxy_async();
+        issue_qk<T, 0, 4, false>(s, sQ, sK + kTileBytes);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(s);
+        // softmax of the odd tile against the max WG0 left after the even one
+        float mxA, mxB;
+        tile_max(s, key_begin + (2 * pr + 1) * kTileKeys, mxA, mxB);
+        named_sync(kBarMax0);
+        {
+          const float nA = next_max(s_max[rA], mxA), nB = next_max(s_max[rB], mxB);
+          const float aA = nA != runA ? fast_exp2(runA - nA) : 1.f, aB = nB != runB ? fast_exp2(runB - nB) : 1.f;
+          runA = nA;
+          runB = nB;
+          lA *= aA;
+          lB *= aB;
+          if (aA != 1.f || aB != 1.f) scale_o(o, aA, aB);
+        }
+        exp_tile(s, ps, runA, runB, lA, lB);
+        __syncwarp();  // every lane of a quad has read s_max before its first lane rewrites it
+        if (t4 == 0) {
+          s_max[rA] = runA;
+          s_max[rB] = runB;
+        }
+        named_arrive(kBarMax1);
+        // O[:, 256:512) += P1 V1, and P1 to WG0
+        wgmma_fence();
+        issue_pv_rs<T>(o, ps, v1);
+        wgmma_commit();
+        store_p(sP1, ps);
+        fence_proxy_async();
+        named_arrive(kBarP1);
+        // O[:, 256:512) += P0 V0
+        named_sync(kBarP0);
+        wgmma_fence();
+        issue_pv_ss<T>(o, sP0, v0);
+        wgmma_commit();
+        wgmma_wait<1>();
+        mbar_arrive(bar_free(1, 1));
+        wgmma_wait<0>();
+        fence_regs(o);
+        mbar_arrive(bar_free(0, 1));
+      }
+    }
+
+    // ---- epilogue: the row sums of both consumers, then this consumer's half of O ----
+    lA += __shfl_xor_sync(0xffffffffu, lA, 1);
+    lB += __shfl_xor_sync(0xffffffffu, lB, 1);
+    lA += __shfl_xor_sync(0xffffffffu, lA, 2);
+    lB += __shfl_xor_sync(0xffffffffu, lB, 2);
+    if (t4 == 0) {
+      s_sum[wg * kRows + rA] = lA;
+      s_sum[wg * kRows + rB] = lB;
+    }
+    named_sync(kBarSum);
+    const bool direct = p.splits == 1;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = half ? rB : rA, m = row0 + r;
+      if (m >= rows_b) continue;
+      const float l = s_sum[r] + s_sum[kRows + r], mx = half ? runB : runA;
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const int node = m / p.heads, head = m - node * p.heads;
+      if (direct) {
+        T* dst = p.out + (q_begin + node) * p.out_st + head * p.out_sh + wg * 256 + t4 * 2;
+#pragma unroll
+        for (int j = 0; j < 32; ++j)
+          *reinterpret_cast<uint32_t*>(dst + j * 8) = pack2<T>(o[4 * j + 2 * half] * inv, o[4 * j + 2 * half + 1] * inv);
+      } else if (l > 0.f) {  // the merge never reads a row of a split that saw nothing
+        const int64_t grow = static_cast<int64_t>(q_begin) * p.heads + m;
+        float* dst = p.part_o + (split * p.rows_total + grow) * kDv + wg * 256 + t4 * 2;
+#pragma unroll
+        for (int j = 0; j < 32; ++j)
+          *reinterpret_cast<float2*>(dst + j * 8) = make_float2(o[4 * j + 2 * half] * inv, o[4 * j + 2 * half + 1] * inv);
+      }
+      if (wg == 0 && t4 == 0) {
+        const float lse = l > 0.f ? (mx + __log2f(l)) * 0.69314718055994531f : -INFINITY;
+        if (direct)
+          p.lse[(q_begin + node) * p.lse_st + head * p.lse_sh] = lse;
+        else
+          p.part_lse[split * p.rows_total + static_cast<int64_t>(q_begin) * p.heads + m] = lse;
+      }
+    }
+  }
+#else
+  __trap();
+#endif
+}
+
+}  // namespace
+
+template <typename T>
+void launch_verify_attn_seesaw(const VerifyParams<T>& p, bool idx32, dim3 grid, cudaStream_t stream) {
+  auto kernel = idx32 ? verify_attn_seesaw_kernel<T, int32_t> : verify_attn_seesaw_kernel<T, int64_t>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template void launch_verify_attn_seesaw<__nv_bfloat16>(const VerifyParams<__nv_bfloat16>&, bool, dim3, cudaStream_t);
+template void launch_verify_attn_seesaw<__half>(const VerifyParams<__half>&, bool, dim3, cudaStream_t);
+
+}  // namespace kdtree
