@@ -8,61 +8,36 @@ in ``benchmark.extra_info``; the summary table is printed at the end and written
 
 from __future__ import annotations
 
+import argparse
+import gc
+import itertools
 import json
+import math
 import os
 import statistics
+import sys
+import time
+from typing import Optional, Sequence
 
 import pytest
 import torch
 
+import defrag
 import kdtree_ops
+import sglang_hook
+import testkit
+from kdtree_ops import (MLA_QK_DIM, MLA_V_DIM, Tree, accept_retrieve, accept_walk, build, build_tree, cache_root,
+                        cuda_available, draft_topk, flat_mask_size, merge_state, move_kv, pack_tree_mask,
+                        sglang_build_tree, verify_attn, verify_metadata)
+from testkit import (ROW_TOL, assert_same_round, cpu_time_ms, ddtree_batch, ddtree_logits, ddtree_round,
+                     ddtree_targets, event_time_ms, gpu_time_ms, make_verify_case, median_ms, rel_err, rows_close,
+                     sglang_flat_mask, verify_args)
 
 pytestmark = pytest.mark.skipif(
     not kdtree_ops.cuda_available(), reason="benchmarks need a CUDA GPU and the built kernels"
 )
 
 RESULTS: list[dict] = []
-
-
-def gpu_time_ms(fn, reps: int = 50, graph_calls: int = 5) -> float:
-    """Median milliseconds of one fn() call: CUDA-graph replays of `graph_calls` calls,
-    timed with CUDA events, `reps` times."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(graph_calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / graph_calls)
-    return statistics.median(times)
-
-
-def event_time_ms(fn, reps: int = 20) -> float:
-    """Median milliseconds of fn() timed with CUDA events (for code that cannot be captured)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 _CEILINGS: dict[str, float] = {}
@@ -160,12 +135,6 @@ def test_bench_merge_state(benchmark, T, H, D):
 
 # ---- verify attention ----
 
-from test_ops import make_verify_case, rel_err, sglang_flat_mask, verify_args  # noqa: E402
-
-try:
-    from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
-except Exception:  # SGLang's kernels absent: ours are still timed
-    extend_attention_fwd = None
 
 VERIFY_BENCH = [  # (batch, heads, nodes, context)
     (1, 16, 9, 4096),
@@ -184,11 +153,11 @@ VERIFY_BENCH = [  # (batch, heads, nodes, context)
 
 def sglang_verify(case, N):
     """SGLang 0.5.23's TARGET_VERIFY call for MLA: extend_attention_fwd with the flat mask (the
-    same call `python -m kdtree_ops` times)."""
+    same call the main job times)."""
     flat, mask_indptr = sglang_flat_mask(case)
     T, H, _ = case["q"].shape
     o = torch.empty(T, H, 512, device="cuda", dtype=case["q"].dtype)
-    return kdtree_ops._sglang_extend_attention(*verify_args(case)[:6], flat.cuda(), mask_indptr.cuda(), N,
+    return sglang_extend_attention(*verify_args(case)[:6], flat.cuda(), mask_indptr.cuda(), N,
                                                case["sm_scale"], o)
 
 
@@ -207,8 +176,8 @@ def test_bench_verify_attn(benchmark, B, H, N, ctx):
     nbytes = B * ctx * 1152 + T * H * (576 + 512) * 2
     flops = B * N * H * (ctx + N) * 2 * (576 + 512)
     extra = {}
-    if extend_attention_fwd is not None:
-        theirs = sglang_verify(case, N)
+    theirs = sglang_verify(case, N)  # None without SGLang's kernels: ours are still timed
+    if theirs is not None:
         sg_ms = event_time_ms(theirs, reps=5)
         extra = {"sglang_ms": sg_ms, "speedup": sg_ms / ms, "err_vs_sglang": rel_err(ours()[0], theirs())}
         report(None, f"sglang extend_attention_fwd B={B} H={H} N={N} ctx={ctx}", sg_ms, nbytes=nbytes, flops=flops)
@@ -221,7 +190,6 @@ def test_bench_verify_attn(benchmark, B, H, N, ctx):
 
 # ---- tree ops ----
 
-import time  # noqa: E402
 
 TREE_B, TREE_L, TREE_V = 8, 15, 32000
 
@@ -234,17 +202,6 @@ def tree_bench_inputs(budget: int, seed: int = 0, sharpness: float = 3.0):
     lp, tok = kdtree_ops.draft_topk(logits, budget)
     root = torch.randint(0, TREE_V, (TREE_B,), device="cuda", generator=g)
     return lp, tok, root
-
-
-def cpu_time_ms(fn, reps: int = 5) -> float:
-    """Median wall-clock milliseconds of fn() on the host."""
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 @pytest.mark.parametrize("budget,sharpness", [(16, 3), (64, 3), (512, 3), (1024, 3), (512, 8), (1024, 8)])
@@ -275,7 +232,7 @@ def test_bench_verify_metadata(benchmark, budget, context):
         return kdtree_ops.verify_metadata(tree, prefix_lens, retrieve=True, custom_mask_capacity=size)
 
     ms = gpu_time_ms(fn, reps=20, graph_calls=2)
-    loop_ms = event_time_ms(lambda: kdtree_ops._python_metadata(tree, lens), reps=10)
+    loop_ms = event_time_ms(lambda: python_metadata(tree, lens), reps=10)
     report(benchmark, f"verify_metadata B={TREE_B} budget={budget} ctx={context}", ms, nbytes=size,
            python_loop_ms=loop_ms, speedup=loop_ms / ms)
     run(benchmark, fn)
@@ -294,7 +251,6 @@ def test_bench_accept_walk(benchmark, budget):
 
 # ---- kv movement ----
 
-import math  # noqa: E402
 
 
 @pytest.mark.parametrize("disjoint", [True, False])
@@ -330,11 +286,7 @@ def verify_attn_defrag_effect(benchmark, prefix: int = 131072, heads: int = 16, 
     q = torch.randn(nodes, heads, D, device="cuda", dtype=torch.bfloat16)
     tree_k = torch.randn(nodes, D, device="cuda", dtype=torch.bfloat16)
     parents = [-1] + [(i - 1) // 2 for i in range(1, nodes)]
-    rows = []
-    for i, p in enumerate(parents):
-        rows.append((rows[p] if p >= 0 else 0) | (1 << i))
-    words = torch.tensor([[(r >> (32 * w)) & 0xFFFFFFFF for w in range((nodes + 31) // 32)] for r in rows])
-    tree_mask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).cuda()  # bit pattern as int32
+    tree_mask = kdtree_ops.pack_bits(kdtree_ops.ancestor_mask(parents), (nodes + 31) // 32).cuda()
     kv_indptr = torch.tensor([0, prefix], dtype=torch.int32, device="cuda")
     qo_indptr = torch.tensor([0, nodes], dtype=torch.int32, device="cuda")
     scale = 1 / math.sqrt(192)
@@ -359,50 +311,19 @@ def test_bench_verify_attn_defrag_effect(benchmark):
 
 
 def ddtree_step(pr, calls, batch, logits, verified, budget, target_logits, hidden):
-    """One full-tree DDTree step as the worker runs it, minus the model forwards: tree build,
-    verify ids/positions, EAGLE format, flat mask, the worker's tree_is_spine line (which reads
-    child_maps), then verify with its KV commit. Returns (prepare ms, verify ms, round) by CUDA
-    events, so host work and syncs count; prepare_for_verify (slot allocation, the same in both)
-    runs between the halves untimed."""
-    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
-    from test_ops import tree_buffers
-
-    dev, (bs, L, V), D = batch.device, logits.shape, budget + 1
-    bufs = tree_buffers(bs, budget, dev)
-    worker = object.__new__(pr.worker.DDTreeWorker)  # the mask method reads only max_tree_nodes
-    worker.max_tree_nodes = D
+    """testkit.ddtree_round timed: (prepare ms, verify ms, round) by CUDA events, so host work
+    and syncs count; prepare_for_verify (slot allocation, the same in both) runs untimed."""
     events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-    torch.cuda.synchronize()
-    events[0].record()
-    tree = calls.build(draft_logits=logits, tree_budget=budget, device=dev, **bufs)
-    node_token_ids, node_depths, parents, child_maps, visibility, sizes = tree
-    ids = torch.zeros(bs, D, dtype=torch.long, device=dev)
-    ids[:, 0] = verified
-    ids[:, 1:] = node_token_ids
-    pos = torch.zeros(bs, D, dtype=torch.long, device=dev)
-    pos[:, 0] = batch.seq_lens
-    pos[:, 1:] = batch.seq_lens.unsqueeze(1) + node_depths
-    retrieve = calls.eagle_format(parents=parents, actual_tree_sizes=sizes, draft_token_num=D, device=dev)
-    mask = calls.flat_mask(worker, batch=batch, visibility=visibility, actual_tree_sizes=sizes)
-    spine = all(all(len(c) <= 1 for c in cm.values()) for cm in child_maps)
-    events[1].record()
-    vi = pr.info.DDTreeVerifyInput(
-        draft_token=ids.reshape(-1), positions=pos.reshape(-1), draft_token_num=D, tree_budget=budget,
-        child_maps=child_maps, actual_tree_sizes=sizes, custom_mask=mask, tree_is_spine=spine, topk=2,
-        spec_steps=budget, retrive_index=retrieve[0], retrive_next_token=retrieve[1], retrive_next_sibling=retrieve[2])
-    vi.prepare_for_verify(batch, 1)
-    batch.forward_mode = ForwardMode.TARGET_VERIFY
-    lo = LogitsProcessorOutput(next_token_logits=target_logits, hidden_states=hidden)
-    torch.cuda.synchronize()
-    events[2].record()
-    out = calls.verify(vi, batch=batch, logits_output=lo, page_size=1, model_runner=object())
-    events[3].record()
-    events[3].synchronize()
-    import types
 
-    round_ = types.SimpleNamespace(tree=tree, retrieve=retrieve, mask=mask, spine=spine, vi=vi, out=out, batch=batch)
+    def mark(i):
+        if i == 2:
+            torch.cuda.synchronize()
+        events[i].record()
+
+    torch.cuda.synchronize()
+    round_ = ddtree_round(pr, calls, batch, logits, verified, budget, target_logits, hidden, bs_max=len(batch.reqs),
+                         mark=mark)
+    events[3].synchronize()
     return events[0].elapsed_time(events[1]), events[2].elapsed_time(events[3]), round_
 
 
@@ -415,28 +336,14 @@ def test_bench_ddtree_step(benchmark, bs, budget, context):
     Needs SGLang with the PR importable; skipped otherwise."""
     pytest.importorskip("sglang")
     try:
-        from sglang.srt.speculative import ddtree_info, ddtree_utils, ddtree_worker, eagle_utils
+        pr = testkit.ddtree_pr()
     except ImportError as e:
         pytest.skip(f"SGLang's DDTree (PR #29907) is not importable: {e}")
-    import types
-
-    import sglang.kernels.ops.speculative.spec_tree as spec_tree
     from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
-    import sglang_hook
-    from test_ops import assert_same_round, ddtree_batch, ddtree_logits, ddtree_targets
-
     sglang_hook.uninstall()
-    original = lambda f: getattr(f, "_kdtree_original", f)
-    pr = types.SimpleNamespace(utils=ddtree_utils, info=ddtree_info, worker=ddtree_worker)
-    pr_calls = types.SimpleNamespace(
-        build=original(ddtree_utils.build_ddtree_tree), eagle_format=original(ddtree_utils.build_eagle_tree_format),
-        flat_mask=original(ddtree_worker.DDTreeWorker._build_flat_tree_mask), verify=original(ddtree_info.DDTreeVerifyInput.verify))
-    hooked = types.SimpleNamespace(
-        build=lambda **kw: ddtree_worker.build_ddtree_tree(**kw),
-        eagle_format=lambda **kw: ddtree_worker.build_eagle_tree_format(**kw),
-        flat_mask=lambda worker, **kw: worker._build_flat_tree_mask(**kw), verify=lambda vi, **kw: vi.verify(**kw))
+    pr_calls, hooked, eagle_utils = pr.calls, pr.hooked, pr.eagle_utils
     L, V, D = 15, 32000, budget + 1
     g = torch.Generator().manual_seed(bs * 7 + budget)
     logits = ddtree_logits(bs, L, V, "peaked", g).cuda()
@@ -457,11 +364,7 @@ def test_bench_ddtree_step(benchmark, bs, budget, context):
         try:  # SGLang's own greedy tree-verify kernel needs its JIT toolchain; its Triton twin does not
             ddtree_step(pr, pr_calls, ddtree_batch("cuda", prefix, D, V), logits, verified, budget, target_logits, hidden)
         except Exception:
-            def verify_tree_greedy_func(*, predicts, accept_index, accept_token_num, topk=-1, **arrays):
-                spec_tree.verify_tree_greedy_triton(predicts, accept_index, accept_token_num, **arrays)
-                return predicts, accept_index, accept_token_num
-
-            eagle_utils.verify_tree_greedy_func = verify_tree_greedy_func
+            eagle_utils.verify_tree_greedy_func = testkit.verify_tree_greedy_on_triton(pr.spec_tree)
             kernel = "SGLang's Triton verify_tree_greedy"
 
         def timed(calls, reps):
@@ -490,15 +393,12 @@ def test_bench_ddtree_step(benchmark, bs, budget, context):
 # SGLang 0.5.23's TritonAttnBackend builds the TARGET_VERIFY metadata itself (eager
 # init_forward_metadata, and its CUDA-graph path: init_cuda_graph_state, then
 # init_forward_metadata_out_graph at capture and before each replay) over its real pools,
-# allocator and KV index translator (sglang_testbed.py). Per layer, SGLang's own forward_extend
+# allocator and KV index translator (testkit.py). Per layer, SGLang's own forward_extend
 # (hook uninstalled) is timed against the hook in mode "on", eagerly and replayed from a CUDA
 # graph captured as SGLang's graph runner captures (metadata first, a warm-up, then the
 # layers), on the same batches; the replayed batch differs from the captured one.
 
-import gc  # noqa: E402
 
-import sglang_hook  # noqa: E402
-from test_ops import HOOK_TOL, rows_close  # noqa: E402
 
 # (verify input, batch, heads, nodes per request, context). "tree": an EAGLE topk > 1 verify
 # input from SGLang's own draft-result organiser and tree builder (flat custom mask); "chain":
@@ -639,7 +539,8 @@ def test_bench_hook_real_metadata(benchmark, monkeypatch, kind, B, H, N, ctx):
     """Per layer: SGLang's forward_extend vs the hooked one, eager and CUDA-graph replayed,
     through SGLang's own metadata paths; asserts kdtree_ops served every hooked call, the
     outputs agree and the replayed graphs followed the changed batch."""
-    tbd = pytest.importorskip("sglang_testbed")  # SGLang (and transformers) importable
+    pytest.importorskip("sglang")  # and transformers
+    tbd = testkit
     from sglang.srt.runtime_context import reset_context
 
     for name in ("KDTREE_PROFILE", "KDTREE_DEFRAG", "KDTREE_VERIFY"):
@@ -727,7 +628,7 @@ def test_bench_hook_real_metadata(benchmark, monkeypatch, kind, B, H, N, ctx):
     reasons = sorted(reasons) or "see the kdtree_ops warnings"
     assert eager_counts == (L, 0), f"eager: {row['served_eager']}; {reasons}"
     assert graph_counts == (L, 0), f"graph capture: {row['served_graph']}; {reasons}"
-    tol = HOOK_TOL["cuda"]
+    tol = ROW_TOL["cuda"]
     assert err_eager < tol and err_graph < tol, (err_eager, err_graph)
     assert err_sglang_graph < tol, f"SGLang's replayed graph missed the new batch: error {err_sglang_graph}"
 
@@ -782,9 +683,469 @@ def plot(bench_json: str, out_png: str) -> None:
     fig.savefig(out_png, dpi=150)
 
 
-if __name__ == "__main__":
-    import sys
+# ---- main job: python bench_ops.py ----
 
-    if len(sys.argv) != 4 or sys.argv[1] != "plot":
-        sys.exit("usage: python bench_ops.py plot BENCH_JSON OUT_PNG")
-    plot(sys.argv[2], sys.argv[3])
+
+def _selfcheck_cases(device: str):
+    """Small random inputs for every op: name -> (call(inputs) -> outputs, inputs)."""
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    cases = {}
+    T, H = 113, 16
+    cases["merge_state"] = (lambda a: merge_state(*a), [rnd(T, H, 512), rnd(T, H, dtype=torch.float32), rnd(T, H, 512), rnd(T, H, dtype=torch.float32)])
+
+    B, N, P, S = 4, 9, 4099, 40000
+    slots = torch.randperm(S, generator=g)[: B * P].to(device)
+    parents = [[-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, N)] for _ in range(B)]
+    vis = torch.zeros(B * N, N, dtype=torch.bool)
+    for b, par in enumerate(parents):
+        for i, p in enumerate(par):
+            if p >= 0:
+                vis[b * N + i] = vis[b * N + p]
+            vis[b * N + i, i] = True
+    attn = [rnd(B * N, H, 576), rnd(S, 576), torch.arange(0, (B + 1) * P, P, dtype=torch.int32, device=device), slots.int(),
+            torch.arange(0, (B + 1) * N, N, dtype=torch.int32, device=device), rnd(B * N, 576)]
+    scale = 1 / math.sqrt(192)
+    cases["verify_attn (tree)"] = (lambda a: verify_attn(*a[:6], pack_tree_mask(a[6]), scale), [*attn, vis.to(device)])
+    cases["verify_attn (chain)"] = (lambda a: verify_attn(*a, None, scale), attn)
+    cases["pack_tree_mask"] = (lambda a: pack_tree_mask(a[0]), [vis.to(device)])
+
+    layers = [rnd(S, 576) for _ in range(3)]
+    src = torch.randperm(S, generator=g)[:1000].to(device)
+    dst = torch.cat([src[500:], torch.randperm(S, generator=g)[:500].to(device)])  # overlaps src
+    dst = torch.unique(dst)[:1000]
+
+    def moved(a):
+        kv = [t.clone() for t in a[0]]
+        move_kv(kv, a[1][: a[2].numel()], a[2])
+        return kv
+
+    cases["move_kv"] = (moved, [layers, src, dst])
+
+    lp, tok = draft_topk(torch.randn(3, 7, 500, generator=g) * 3, 6)
+    cases["sglang_build_tree"] = (lambda a: sglang_build_tree(a[0], a[1], 40), [lp.to(device), tok.to(device)])
+    tree = sglang_build_tree(lp, tok, 40)
+    par = tree.parents.int()
+    _, _, _, first_child, sibling = torch.ops.kdtree.verify_metadata(torch.zeros_like(par), par, torch.zeros(3, dtype=torch.int32), True)
+    cand = torch.cat((tok[:, :1, 0], tree.node_tokens), 1)
+    target = cand[:, torch.randperm(41, generator=g)]  # draft tokens in random places: some paths accepted
+    cases["accept_retrieve"] = (lambda a: accept_retrieve(*a, 7), [t.to(device) for t in (first_child, sibling, cand, target)])
+    return cases
+
+
+def _flatten(x):
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for item in x for t in _flatten(item)]
+    return []
+
+
+def _to_cpu(x):
+    if isinstance(x, torch.Tensor):
+        return x.cpu()
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to_cpu(t) for t in x) if not hasattr(x, "_fields") else type(x)(*[_to_cpu(t) for t in x])
+    return x
+
+
+def _exact(a, b) -> bool:
+    """Every tensor in a (tensor, tuple or list, Nones skipped) equals its counterpart in b."""
+    xs, ys = _flatten(a), _flatten(b)
+    return len(xs) == len(ys) and all(x.shape == y.shape and torch.equal(x.cpu(), y.cpu()) for x, y in zip(xs, ys))
+
+
+def _selfcheck(device: str) -> int:
+    """One row per op: the op on `device` against its CPU reference (on the CPU, the bf16
+    reference against float64). Returns the number of mismatches."""
+    failures = 0
+    print(f"\n{'op':24s} {'device':7s} {'max rel err':>12s} {'ms':>9s}  result")
+    for name, (call, inputs) in _selfcheck_cases(device).items():
+        start = time.perf_counter()
+        out = call(inputs)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        ms = (time.perf_counter() - start) * 1e3
+        if device == "cuda":
+            ref = call(_to_cpu(inputs))
+        elif name.startswith("verify"):
+            ref = call([x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs])
+        else:
+            print(f"{name:24s} {device:7s} {'-':>12s} {ms:9.3f}  reference ran (no CUDA kernel to compare)")
+            continue
+        errs = [rel_err(a, b) if a.is_floating_point() else (0.0 if _exact(a, b) else math.inf)
+                for a, b in zip(_flatten(out), _flatten(ref))]
+        err = max(errs, default=0.0)
+        failures += not err < 1e-2
+        print(f"{name:24s} {device:7s} {err:12.2e} {ms:9.3f}  {'ok' if err < 1e-2 else 'MISMATCH'}")
+    return failures
+
+
+# ---- one DDTree verify round (the rest of `python bench_ops.py`) ----
+
+# GPU default: one tensor-parallel rank of DeepSeek-V3 (128 heads / TP 8) at 32k context, its
+# vocabulary, DDTree's usual block (L = 15). The CPU default is small: there the ops are the
+# pure-torch references.
+_ROUND_DEFAULTS = {
+    "cuda": dict(batch=4, context=32768, budget=64, heads=16, layers=4, depth=15, vocab=129280),
+    "cpu": dict(batch=2, context=1024, budget=16, heads=4, layers=2, depth=15, vocab=129280),
+}
+_ROUND_STAGES = ("draft_topk", "build_tree", "verify_metadata", "kv_write", "verify_attn", "accept_walk",
+                 "commit_accept", "defragment")
+_MLA_SCALE = 1 / math.sqrt(192)  # DeepSeek's softmax scale (nope 128 + rope 64 before absorption)
+
+
+def sglang_extend_attention(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, custom_mask, mask_indptr,
+                             max_nodes: int, sm_scale: float, out):
+    """SGLang 0.5.23's TARGET_VERIFY attention for an MLA layer (Triton ``extend_attention_fwd``
+    with the flat custom mask, as its Triton backend calls it) as a zero-argument callable that
+    writes ``out [T, H, 512]``; None when SGLang's kernels are not importable. The baseline of
+    the main job and of bench_ops.py."""
+    try:
+        from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
+    except Exception:  # noqa: BLE001  (no SGLang or no Triton: nothing to compare against)
+        return None
+    T = q.shape[0]
+    k = tree_k.reshape(T, 1, MLA_QK_DIM)
+    v = tree_k.reshape(T, MLA_QK_DIM)[:, :MLA_V_DIM].contiguous().view(T, 1, MLA_V_DIM)  # MLA: value = latent[:512]
+    kv = kv_cache.view(-1, 1, MLA_QK_DIM)
+    indices = kv_indices.long()
+
+    def call():
+        extend_attention_fwd(q, k, v, out, kv, kv[..., :MLA_V_DIM], qo_indptr, kv_indptr, indices, custom_mask, True,
+                             mask_indptr, max_nodes, 1.0, 1.0, sm_scale=sm_scale)
+        return out
+
+    return call
+
+
+def python_metadata(tree: Tree, prefix: list[int]):
+    """Baseline: the verify inputs as SGLang's DDTree PR builds them, request by request in
+    Python: kv indices (arange over the prefix), positions, the flat mask (prefix columns
+    true + the tree's ancestor rows), then cat."""
+    N, dev = tree.tokens.shape[1], tree.tokens.device
+    j = torch.arange(N, device=dev)
+    kv, pos, masks = [], [], []
+    for b, P in enumerate(prefix):
+        kv.append(torch.arange(P, device=dev))
+        pos.append(P + tree.depths[b].long())
+        ancestors = ((tree.mask[b][:, j // 32] >> (j % 32)) & 1).bool()
+        masks.append(torch.cat([torch.ones(N, P, dtype=torch.bool, device=dev), ancestors], 1).flatten())
+    return torch.cat(kv), torch.cat(pos), torch.cat(masks)
+
+
+def _python_accept(tree: Tree, target: torch.Tensor) -> list[list[int]]:
+    """Baseline: the accept walk request by request in Python on host copies."""
+    paths = []
+    for par, tok, tgt in zip(tree.parents.tolist(), tree.tokens.tolist(), target.tolist()):
+        child = {}
+        for j in range(len(par) - 1, 0, -1):  # the lowest-index child carrying a token wins
+            child[par[j], tok[j]] = j
+        path = [0]
+        while (nxt := child.get((path[-1], tgt[path[-1]]))) is not None:
+            path.append(nxt)
+        paths.append(path)
+    return paths
+
+
+def _synthetic_targets(tree: Tree, vocab: int, g: torch.Generator) -> tuple[torch.Tensor, list[int]]:
+    """Target tokens [B, N] for a host tree, and the accept length each request must get.
+
+    Request b walks from the root towards a random leaf: all the way for even b, a random
+    number of steps for odd b. Each node on the walk gets the token of its next node as
+    target; where the walk stops the target is a token none of its children carries (it
+    becomes the bonus token); nodes off the walk keep random tokens (never visited).
+    """
+    par, tok = tree.parents.tolist(), tree.tokens.tolist()
+    target = torch.randint(0, vocab, tree.tokens.shape, generator=g).tolist()
+    expect = []
+    for b, n in enumerate(tree.num_nodes.tolist()):
+        kids = [[] for _ in range(n)]
+        for j in range(1, n):
+            kids[par[b][j]].append(j)
+        leaves = [j for j in range(n) if not kids[j]]
+        path = [leaves[int(torch.randint(0, len(leaves), (1,), generator=g))]]
+        while path[-1]:
+            path.append(par[b][path[-1]])
+        path.reverse()
+        steps = len(path) - 1 if b % 2 == 0 else int(torch.randint(0, len(path), (1,), generator=g))
+        for u, v in zip(path[:steps], path[1 : steps + 1]):
+            target[b][u] = tok[b][v]
+        stop, taken = path[steps], {tok[b][c] for c in kids[path[steps]]}
+        while target[b][stop] in taken:
+            target[b][stop] = (target[b][stop] + 1) % vocab
+        expect.append(steps + 1)
+    return torch.tensor(target), expect
+
+
+def _round(cfg: dict, device: str, check: bool) -> int:
+    """One DDTree verify round (DESIGN.md §4) on a synthetic MLA layer stack: prints a line per
+    stage as it starts, then the stage table. Returns the number of failed checks."""
+
+    B, ctx, budget, H, layers, L, V = (cfg[k] for k in ("batch", "context", "budget", "heads", "layers", "depth", "vocab"))
+    N, cuda, dev = budget + 1, device == "cuda", torch.device(device)
+    g = torch.Generator().manual_seed(0)  # host: slot lists, targets
+    gd = torch.Generator(device=dev).manual_seed(0)  # device: bulk random data
+    bf16 = dict(device=dev, dtype=torch.bfloat16)
+
+    # Page-size-1 pool as SGLang's allocator leaves it: slot 0 is padding and allocation takes
+    # the front of the free list. Earlier requests came and went in the first `work` slots (that
+    # part of the list is shuffled), the rest was never used: a pool twice the working set.
+    prefix = [max(ctx - 17 * b, 0) for b in range(B)]  # unequal, so the requests' rows misalign
+    offsets = [0, *itertools.accumulate(prefix)]
+    total, work = offsets[-1], offsets[-1] + B * N
+    size = 2 * work
+    free = torch.cat([torch.randperm(work, generator=g) + 1, torch.arange(work + 1, size + 1)])
+    kv_indices, out_cache_loc, free_rest = free[:total].to(dev), free[total:work].to(dev), free[work:].to(dev)
+    req_to_token = torch.zeros(B + 1, max(prefix) + N, dtype=torch.int32)  # row 0: padding, like SGLang's
+    for b, P in enumerate(prefix):
+        req_to_token[b + 1, :P] = free[offsets[b] : offsets[b + 1]]
+        req_to_token[b + 1, P : P + N] = free[total + b * N : total + (b + 1) * N]  # the verify window
+    req_to_token, req_rows = req_to_token.to(dev), torch.arange(1, B + 1, device=dev)
+    kv_indptr = torch.tensor(offsets, dtype=torch.int32, device=dev)
+    prefix_lens = torch.tensor(prefix, device=dev)
+    pools = [torch.randn(size + 1, MLA_QK_DIM, generator=gd, **bf16) for _ in range(layers)]  # never zeros
+    q = [torch.randn(B * N, H, MLA_QK_DIM, generator=gd, **bf16) for _ in range(layers)]
+    tree_k = [torch.randn(B * N, MLA_QK_DIM, generator=gd, **bf16) for _ in range(layers)]
+    print(f"\nDDTree verify round on {device}: {B} requests, prefixes {prefix[0]}..{prefix[-1]} tokens, budget {budget} "
+          f"(N = {N} nodes with the root), L = {L}, {H} heads, vocab {V};\n{layers} MLA layers, each a bf16 latent pool of "
+          f"{size + 1} x 576 ({(size + 1) * 1152 / 1e6:.1f} MB) with the prefixes in scattered slots", flush=True)
+
+    rows = []
+
+    def stage(name, what):
+        print(f"[{_ROUND_STAGES.index(name) + 1}/{len(_ROUND_STAGES)}] {name}: {what}", flush=True)
+
+    def record(label, ms, base_ms, verdict):  # verdict() -> (ok, note), run only when checking
+        ok, note = verdict() if check else (None, "")
+        rows.append((label, ms, base_ms, ok, note))
+
+    stage("draft_topk", f"drafter logits [{B}, {L}, {V}] -> top-{min(budget, V)} log-probs per position")
+    # A confident drafter: N(0, 2^2) logits with one token per position raised by 15..19, so
+    # the top token carries most of the mass and the best-first tree is deep and branched.
+    logits = torch.randn(B, L, V, generator=gd, device=dev) * 2
+    lift = 15 + 4 * torch.rand(B, L, 1, generator=gd, device=dev)
+    logits.scatter_add_(2, torch.randint(0, V, (B, L, 1), generator=gd, device=dev), lift)
+    root = torch.randint(0, V, (B,), generator=gd, device=dev)
+    (lp, tok), ms = median_ms(lambda: draft_topk(logits, min(budget, V)), cuda=cuda)
+
+    def verdict():
+        host = logits.cpu()
+        lp_ref, tok_ref = draft_topk(host, min(budget, V))
+        # The same logit at every rank: tokens equal but for the order of exactly tied logits.
+        ok = _exact(host.gather(-1, tok.cpu()), host.gather(-1, tok_ref))
+        return ok and torch.allclose(lp.cpu(), lp_ref, rtol=1e-5, atol=1e-5), "vs CPU reference: tokens (up to ties), log-probs 1e-5"
+
+    record("draft_topk", ms, None, verdict)
+
+    stage("build_tree", f"best-first tree of {budget} nodes per request")
+    tree, ms = median_ms(lambda: build_tree(lp, tok, root, budget), cuda=cuda)
+    host_in = (lp.cpu(), tok.cpu(), root.cpu())
+    tree_ref, base_ms = median_ms(lambda: build_tree(*host_in, budget), cuda=False, reps=3)  # the CPU heapq build
+    record("build_tree", ms, base_ms, lambda: (_exact(tree, tree_ref), "exact vs the CPU heapq build"))
+
+    stage("verify_metadata", "positions, qo_indptr, SGLang's flat custom mask + mask_indptr")
+    capacity = flat_mask_size(total, B, N)
+    meta, ms = median_ms(lambda: verify_metadata(tree, prefix_lens, custom_mask_capacity=capacity), cuda=cuda)
+    loop, base_ms = median_ms(lambda: python_metadata(tree, prefix), cuda=cuda, reps=3)
+
+    def verdict():
+        ref = verify_metadata(tree_ref, prefix_lens.cpu(), custom_mask_capacity=capacity)
+        ok = _exact(meta, ref) and _exact(loop[1:], (meta.positions, meta.custom_mask))
+        return ok, "exact vs CPU reference + Python loop"
+
+    record("verify_metadata", ms, base_ms, verdict)
+
+    stage("kv_write", f"the {N} nodes' latents of each request into its {N} fresh slots, {layers} layers")
+
+    def kv_write():
+        for kv, k in zip(pools, tree_k):
+            kv.index_copy_(0, out_cache_loc, k)  # SGLang's MLA set_kv_buffer: kv_buffer[layer][loc] = k
+
+    _, ms = median_ms(kv_write, cuda=cuda)
+    record(f"kv_write ({layers} layers)", ms, None,
+           lambda: (all(torch.equal(kv[out_cache_loc], k) for kv, k in zip(pools, tree_k)), "exact"))
+
+    stage("verify_attn", f"{layers} layers, {B * N} rows x {H} heads over {total} prefix tokens + the tree")
+    tree_mask = tree.mask.reshape(B * N, -1)  # packed ancestor rows, one per node
+    outs = [torch.empty(B * N, H, MLA_V_DIM, **bf16) for _ in range(layers)]
+    lses = [torch.empty(B * N, H, device=dev) for _ in range(layers)]
+
+    def attention():
+        for i in range(layers):
+            verify_attn(q[i], pools[i], kv_indptr, kv_indices, meta.qo_indptr, tree_k[i], tree_mask, _MLA_SCALE,
+                        out=outs[i], lse=lses[i], max_kv_len=max(prefix))
+
+    _, ms = median_ms(attention, cuda=cuda)
+    theirs = [torch.empty_like(o) for o in outs]
+    sglang = [sglang_extend_attention(q[i], pools[i], kv_indptr, kv_indices, meta.qo_indptr, tree_k[i],
+                                       meta.custom_mask, meta.mask_indptr, N, _MLA_SCALE, theirs[i])
+              for i in range(layers)] if cuda else [None]
+    base_ms = None
+    if sglang[0] is not None:
+        print("      SGLang's Triton extend_attention_fwd on the same inputs (its first call compiles it)", flush=True)
+        try:
+            base_ms = median_ms(lambda: [call() for call in sglang], cuda=cuda, reps=3)[1]
+        except Exception as e:  # noqa: BLE001  (a broken Triton install must not hide our results)
+            print(f"      SGLang's kernel failed, no attention baseline: {type(e).__name__}: {e}", flush=True)
+
+    def verdict():
+        errs, sg_errs = [], []
+        for i in range(layers):  # float64 reference on the data's device, over the prefix rows only
+            ref_out, ref_lse = kdtree_ops.verify_attn_reference(q[i].double(), pools[i][kv_indices].double(), kv_indptr,
+                                                 torch.arange(total, device=dev), meta.qo_indptr, tree_k[i].double(),
+                                                 tree_mask, _MLA_SCALE)
+            errs.append(max(rel_err(outs[i], ref_out), rel_err(lses[i], ref_lse)))
+            if base_ms is not None:
+                sg_errs.append(rel_err(theirs[i], ref_out))
+        sg_note = f", SGLang's {max(sg_errs):.1e}" if sg_errs else ""
+        return max(errs) < 1e-2, f"rel err {max(errs):.1e} vs float64{sg_note}"
+
+    record(f"verify_attn ({layers} layers)", ms, base_ms, verdict)
+    attn_base_ms = base_ms
+
+    stage("accept_walk", "targets follow a random root-to-leaf path: all of it (even requests) or part (odd)")
+    target, expect = _synthetic_targets(tree_ref, V, g)
+    target = target.to(dev)
+    (accepted, accept_len, bonus), ms = median_ms(lambda: accept_walk(tree, target, max_depth=L), cuda=cuda)
+    paths, base_ms = median_ms(lambda: _python_accept(tree, target), cuda=cuda, reps=3)
+
+    def verdict():
+        ref = accept_walk(tree_ref, target.cpu(), max_depth=L)
+        walked = [a[:n] for a, n in zip(accepted.tolist(), accept_len.tolist())]
+        return (_exact((accepted, accept_len, bonus), ref) and walked == paths and accept_len.tolist() == expect,
+                "exact vs CPU reference + Python walk")
+
+    record("accept_walk", ms, base_ms, verdict)
+
+    stage("commit_accept", "accepted KV to the front of each verify window, req_to_token updated")
+    window_rtt = req_to_token.clone()
+
+    def restore():  # every repeat moves the same KV
+        kv_write()
+        req_to_token.copy_(window_rtt)
+
+    def commit():
+        return defrag.commit_accept(pools, req_to_token, req_rows, prefix_lens, accepted, accept_len, out_cache_loc, N)
+
+    moves, ms = median_ms(commit, cuda=cuda, setup=restore)
+
+    def verdict():
+        ref = defrag.accept_moves(accepted.cpu(), accept_len.cpu(), out_cache_loc.cpu(), N)
+        b, j = (moves.kept >= 0).nonzero(as_tuple=True)
+        kept, node = moves.kept[b, j], b * N + accepted[b, j].long()  # accepted token j <- node's latent
+        expected = window_rtt.clone()
+        expected[req_rows[b], prefix_lens[b] + j] = kept.to(expected.dtype)
+        kv_ok = all(torch.equal(kv[kept], k[node]) for kv, k in zip(pools, tree_k))
+        ok = _exact(moves, ref) and kv_ok and torch.equal(req_to_token, expected)
+        return ok, "moves vs CPU reference, KV + req_to_token exact"
+
+    record("commit_accept", ms, None, verdict)
+    free_slots = torch.cat([free_rest, moves.freed[moves.freed > 0]])  # the allocator takes the rejected slots back
+
+    stage("defragment", "one pass: every request's KV into one contiguous run of slots")
+    pool = defrag.TensorPool(req_to_token, pools, free_slots, size)
+    lens = prefix_lens + accept_len
+    width = int(lens.max())
+    owned = torch.arange(width, device=dev) < lens[:, None]
+    runs_before = defrag.fragmentation(req_to_token, req_rows, lens)
+    kv_before = [kv[req_to_token[req_rows, :width][owned].long()] for kv in pools] if check else []
+    plan, ms = median_ms(lambda: defrag.defragment(pool, req_rows, lens, byte_budget=None), cuda=cuda, reps=1)
+    runs_after = defrag.fragmentation(req_to_token, req_rows, lens)
+
+    def verdict():
+        try:
+            defrag.check_partition(pool, req_rows, lens)  # free + owned = every slot exactly once
+        except AssertionError as e:
+            return False, str(e)
+        slots = req_to_token[req_rows, :width][owned].long()
+        same = all(torch.equal(kv[slots], old) for kv, old in zip(pools, kv_before))
+        one_run = bool((runs_after == 1).all()) and not plan.skipped
+        return same and one_run, plan.reason or "KV per request unchanged, slots partitioned, one run each"
+
+    record("defragment", ms, None, verdict)
+
+    print(f"\naccept lengths {accept_len.tolist()} (at most L + 1 = {L + 1}); slot runs per request: "
+          f"before defrag {runs_before.tolist()}, after {runs_after.tolist()} "
+          f"({plan.moved_slots} slots, {plan.bytes / 1e6:.1f} MB moved over {layers} layers)")
+    print(f"\n{'stage':24s} {'ours ms':>9s} {'SGLang path ms':>15s} {'speedup':>8s}  check")
+    for label, ms, base_ms, ok, note in rows:
+        base = f"{base_ms:15.3f} {base_ms / ms:7.1f}x" if base_ms is not None else f"{'-':>15s} {'-':>8s}"
+        verdict = "skipped" if ok is None else f"{'ok' if ok else 'FAIL'}: {note}"
+        print(f"{label:24s} {ms:9.3f} {base}  {verdict}")
+    clock = "CUDA events" if cuda else "perf_counter"
+    attn_note = "" if attn_base_ms is not None else " (needs CUDA and SGLang's kernels)"
+    print(f"ms: median of 5 calls after a warm-up ({clock}); baselines: 3 calls, the CPU heapq build by perf_counter;\n"
+          "commit_accept restores its inputs between repeats; defragment (host planning + one move_kv) runs once.\n"
+          "SGLang path: build_tree = the per-request CPU heapq build (the reference); verify_metadata = a per-request\n"
+          "Python loop (arange + cat, as SGLang's DDTree PR); verify_attn = SGLang's Triton extend_attention_fwd with\n"
+          f"the flat mask{attn_note}; accept_walk = a per-request Python walk; '-': SGLang does the same or nothing.")
+    if attn_base_ms is not None:  # the verify step end to end
+        ours, base = sum(r[1] for r in rows[:6]), sum(r[2] if r[2] is not None else r[1] for r in rows[:6])
+        print(f"verify step (draft_topk to accept_walk): {ours:.3f} ms vs SGLang path {base:.3f} ms, "
+              f"{base / ours:.1f}x (stages without a baseline counted at our time)")
+    return sum(ok is False for *_, ok, _ in rows)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python bench_ops.py``: report the environment, check every op against its reference
+    (one row per op), then run one DDTree verify round and print its stage table. Returns 1 if
+    any check failed."""
+    import platform
+
+    parser = argparse.ArgumentParser(
+        prog="python bench_ops.py",
+        description="Environment report, per-op self-check, and one DDTree verify round on a synthetic MLA "
+        "layer stack (drafter logits to defrag), each stage timed beside SGLang's path and checked "
+        "against its reference.",
+    )
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="auto: cuda where the kernels are built, else cpu (the references, smaller default sizes)")
+    sizes = (("batch", "requests"), ("context", "prefix tokens of request 0 (request b has 17 b fewer)"),
+             ("budget", "draft tree nodes besides the root"), ("heads", "query heads (of one TP rank)"),
+             ("layers", "MLA layers"), ("depth", "draft positions L"), ("vocab", "drafter vocabulary"))
+    for name, what in sizes:
+        parser.add_argument(f"--{name}", type=int,
+                            help=f"{what}; default {_ROUND_DEFAULTS['cuda'][name]} on cuda, {_ROUND_DEFAULTS['cpu'][name]} on cpu")
+    parser.add_argument("--no-check", action="store_true", help="skip the self-check and the round's reference checks")
+    args = parser.parse_args(argv)
+
+    print(f"kdtree_ops  python {platform.python_version()}  torch {torch.__version__}  CUDA {torch.version.cuda}")
+    gpu = torch.cuda.is_available()
+    if gpu:
+        major, minor = torch.cuda.get_device_capability()
+        print(f"GPU: {torch.cuda.get_device_name()} (sm_{major}{minor}), {torch.cuda.get_device_properties(0).multi_processor_count} SMs")
+    else:
+        print("GPU: none - CUDA kernels are not built; running the CPU references only")
+    print(f"cache: {cache_root()}  KDTREE_NO_BUILD={os.environ.get('KDTREE_NO_BUILD', '')!r}  KDTREE_CHECK={os.environ.get('KDTREE_CHECK', '')!r}")
+    if gpu and not cuda_available():
+        print("CUDA kernels: not loaded (KDTREE_NO_BUILD set)")
+    elif gpu:
+        print(f"CUDA kernels: {build()}")
+    device = ("cuda" if cuda_available() else "cpu") if args.device == "auto" else args.device
+    if device == "cuda" and not cuda_available():
+        print("kdtree_ops: --device cuda needs a CUDA GPU and the built kernels", file=sys.stderr)
+        return 2
+
+    failures = 0 if args.no_check else _selfcheck(device)
+    cfg = {k: v if getattr(args, k) is None else getattr(args, k) for k, v in _ROUND_DEFAULTS[device].items()}
+    if device == "cpu":
+        print(f"\nCPU: the round runs the pure-torch references at a small default size "
+              f"({_ROUND_DEFAULTS['cpu']['batch']} requests x {_ROUND_DEFAULTS['cpu']['context']} context); "
+              f"a GPU runs {_ROUND_DEFAULTS['cuda']['batch']} x {_ROUND_DEFAULTS['cuda']['context']}")
+    failures += _round(cfg, device, check=not args.no_check)
+    verdict = "checks skipped (--no-check)" if args.no_check else f"{failures} check(s) FAILED" if failures else "all checks passed"
+    print(f"\n{verdict}", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["plot"]:
+        if len(sys.argv) != 4:
+            sys.exit("usage: python bench_ops.py plot BENCH_JSON OUT_PNG")
+        plot(sys.argv[2], sys.argv[3])
+    else:
+        sys.exit(main())

@@ -21,30 +21,18 @@ KDTREE_VERIFY_SEESAW=0  on sm_90, run verify attention on the first wgmma kernel
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # `python -m kdtree_ops`: run the real module once, not a copy
-    import sys
-
-    import kdtree_ops
-
-    sys.exit(kdtree_ops.main())
-
-import argparse
 import contextlib
 import functools
 import hashlib
 import heapq
-import itertools
 import json
 import logging
 import math
 import os
 import shutil
 import socket
-import statistics
 import struct
 import subprocess
-import sys
-import sysconfig
 import tempfile
 import threading
 import time
@@ -607,7 +595,7 @@ def _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tr
                      lambda: f"kdtree: tree_mask must be int32 [{q.shape[0]}, ceil(max_nodes/32)], got {tree_mask.dtype} {tuple(tree_mask.shape)}")
 
 
-def _unpack_bits(words: torch.Tensor, n: int) -> torch.Tensor:
+def unpack_bits(words: torch.Tensor, n: int) -> torch.Tensor:
     """[R, W] int32 packed rows -> [R, n] bool (bit j % 32 of word j // 32)."""
     j = torch.arange(n, device=words.device)
     have = j // 32 < words.shape[1]
@@ -615,7 +603,7 @@ def _unpack_bits(words: torch.Tensor, n: int) -> torch.Tensor:
     return ((w >> (j % 32)) & 1).bool() & have
 
 
-def _verify_attn_math(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale):
+def verify_attn_reference(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale):
     """Reference: per request, softmax over (all prefix keys) + (tree keys under the mask)."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     T, H, _ = q.shape
@@ -633,7 +621,7 @@ def _verify_attn_math(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tre
         if tree_mask is None:
             visible = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         else:
-            visible = _unpack_bits(tree_mask[q0:q1], n)
+            visible = unpack_bits(tree_mask[q0:q1], n)
         scores[:, :, k1 - k0 :] = scores[:, :, k1 - k0 :].masked_fill(~visible[:, None, :], -math.inf)
         row_lse = torch.logsumexp(scores, -1)
         finite = torch.isfinite(row_lse)
@@ -649,7 +637,7 @@ def _verify_attn_math(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tre
 )
 def _verify_attn_cpu(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale, max_kv_len=-1):
     _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask)
-    return _verify_attn_math(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale)
+    return verify_attn_reference(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale)
 
 
 @_fake("verify_attn")
@@ -665,7 +653,7 @@ def _verify_attn_fake(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tre
 )
 def _verify_attn_out_cpu(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale, out, lse, max_kv_len=-1):
     _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask)
-    o, s = _verify_attn_math(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale)
+    o, s = verify_attn_reference(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale)
     out.copy_(o)
     lse.copy_(s)
 
@@ -767,7 +755,7 @@ def verify_attn(
     return out, lse
 
 
-def _pack_bits(mask: torch.Tensor, words: int) -> torch.Tensor:
+def pack_bits(mask: torch.Tensor, words: int) -> torch.Tensor:
     """[R, N] bool -> [R, words] int32 with bit j % 32 of word j // 32 = mask[:, j]."""
     R, N = mask.shape
     padded = torch.zeros(R, words * 32, dtype=torch.int64, device=mask.device)
@@ -776,11 +764,31 @@ def _pack_bits(mask: torch.Tensor, words: int) -> torch.Tensor:
     return torch.where(vals >= 2**31, vals - 2**32, vals).to(torch.int32)
 
 
+def ancestor_mask(parents, num_nodes: Optional[int] = None) -> torch.Tensor:
+    """[N, N] bool: row i marks node i and its ancestors (parents precede children; -1 = no
+    parent). Rows from ``num_nodes`` on (unused slots) are all False.
+
+    Parameters
+    ----------
+    parents : Tensor [N] (any integer dtype) or list of int
+    num_nodes : int, optional
+        Nodes in use (default N).
+    """
+    par = parents.tolist() if isinstance(parents, torch.Tensor) else list(parents)
+    N = len(par)
+    mask = torch.zeros(N, N, dtype=torch.bool)
+    for i in range(N if num_nodes is None else num_nodes):
+        if par[i] >= 0:
+            mask[i] = mask[par[i]]
+        mask[i, i] = True
+    return mask
+
+
 @_define("pack_tree_mask(Tensor mask) -> Tensor")
 def _pack_tree_mask_cpu(mask):
     torch._check(mask.dim() == 2 and mask.dtype in (torch.bool, torch.uint8),
                  lambda: f"kdtree: mask must be bool or uint8 [T, N], got {mask.dtype} {tuple(mask.shape)}")
-    return _pack_bits(mask != 0, max(1, -(-mask.shape[1] // 32)))
+    return pack_bits(mask != 0, max(1, -(-mask.shape[1] // 32)))
 
 
 @_fake("pack_tree_mask")
@@ -799,7 +807,7 @@ def _sglang_mask_to_packed_cpu(custom_mask, mask_indptr, qo_indptr, kv_indptr, n
     for b in range(len(qo) - 1):
         n, prefix = qo[b + 1] - qo[b], kvp[b + 1] - kvp[b]
         block = custom_mask[mip[b] : mip[b] + n * (prefix + n)].view(n, prefix + n)[:, prefix:]
-        out[qo[b] : qo[b + 1]] = _pack_bits(block != 0, words)
+        out[qo[b] : qo[b + 1]] = pack_bits(block != 0, words)
     return out
 
 
@@ -905,12 +913,6 @@ def _f32_add(a: float, b: float) -> float:
         return math.copysign(math.inf, s)
 
 
-def _pack_rows(rows: list[int], words: int) -> torch.Tensor:
-    """Python-int bit rows -> [len(rows), words] int32, bit j in word j // 32."""
-    data = b"".join(r.to_bytes(4 * words, "little") for r in rows)
-    return torch.frombuffer(bytearray(data), dtype=torch.int32).view(len(rows), words).clone()
-
-
 def _build_tree_one(lp: list[list[float]], tok: list[list[int]], root: int, budget: int, keff: int):
     """The paper's best-first build with heapq, float32 scores accumulated in depth order.
 
@@ -930,10 +932,7 @@ def _build_tree_one(lp: list[list[float]], tok: list[list[int]], root: int, budg
         if d < L:  # first child
             heapq.heappush(heap, (-_f32_add(score[n], lp[d][0]), ranks + (0,), n, d + 1, 0))
         n += 1
-    rows = [0] * N
-    for i in range(n):
-        rows[i] = (rows[parents[i]] if i else 0) | (1 << i)
-    return tokens, parents, depths, n, rows
+    return tokens, parents, depths, n
 
 
 def _check_build_tree_args(topk_logprobs, topk_tokens, root_tokens, budget):
@@ -966,12 +965,12 @@ def _build_tree_cpu(topk_logprobs, topk_tokens, root_tokens, budget):
     roots = root_tokens.tolist()
     tokens, parents, depths, num_nodes, mask = [], [], [], [], []
     for b in range(B):
-        t, p, d, n, rows = _build_tree_one(lp_all[b], tok_all[b], roots[b], budget, keff)
+        t, p, d, n = _build_tree_one(lp_all[b], tok_all[b], roots[b], budget, keff)
         tokens.append(t)
         parents.append(p)
         depths.append(d)
         num_nodes.append(n)
-        mask.append(_pack_rows(rows, W))
+        mask.append(pack_bits(ancestor_mask(p, n), W))
     dev = topk_logprobs.device
     return (
         torch.tensor(tokens, dtype=torch.int64, device=dev).view(B, N),
@@ -1456,11 +1455,7 @@ def _sglang_build_tree_cpu(topk_logprobs, topk_tokens, budget, depth_bonus, log_
         node_tokens[b, : n - 1] = torch.tensor(tokens, dtype=torch.int64)
         node_depths[b, : n - 1] = torch.tensor(depths, dtype=torch.int64)
         parents[b, :n] = torch.tensor(par, dtype=torch.int64)
-        vis = visibility[b]
-        for i in range(n):
-            if i:
-                vis[i, :i] = vis[par[i], :i]
-            vis[i, i] = True
+        visibility[b, :n, :n] = ancestor_mask(par)
         tree_sizes[b] = n
 
 
@@ -1778,497 +1773,6 @@ def move_kv(
     """
     _cuda_kernels_for(src_slots)
     torch.ops.kdtree.move_kv(list(kv_layers), src_slots, dst_slots, disjoint=disjoint)
-
-# ---- main job: python -m kdtree_ops ----
-
-
-def _selfcheck_cases(device: str):
-    """Small random inputs for every op: name -> (call(inputs) -> outputs, inputs)."""
-    g = torch.Generator().manual_seed(0)
-
-    def rnd(*shape, dtype=torch.bfloat16):
-        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
-
-    cases = {}
-    T, H = 113, 16
-    cases["merge_state"] = (lambda a: merge_state(*a), [rnd(T, H, 512), rnd(T, H, dtype=torch.float32), rnd(T, H, 512), rnd(T, H, dtype=torch.float32)])
-
-    B, N, P, S = 4, 9, 4099, 40000
-    slots = torch.randperm(S, generator=g)[: B * P].to(device)
-    parents = [[-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, N)] for _ in range(B)]
-    vis = torch.zeros(B * N, N, dtype=torch.bool)
-    for b, par in enumerate(parents):
-        for i, p in enumerate(par):
-            if p >= 0:
-                vis[b * N + i] = vis[b * N + p]
-            vis[b * N + i, i] = True
-    attn = [rnd(B * N, H, 576), rnd(S, 576), torch.arange(0, (B + 1) * P, P, dtype=torch.int32, device=device), slots.int(),
-            torch.arange(0, (B + 1) * N, N, dtype=torch.int32, device=device), rnd(B * N, 576)]
-    scale = 1 / math.sqrt(192)
-    cases["verify_attn (tree)"] = (lambda a: verify_attn(*a[:6], pack_tree_mask(a[6]), scale), [*attn, vis.to(device)])
-    cases["verify_attn (chain)"] = (lambda a: verify_attn(*a, None, scale), attn)
-    cases["pack_tree_mask"] = (lambda a: pack_tree_mask(a[0]), [vis.to(device)])
-
-    layers = [rnd(S, 576) for _ in range(3)]
-    src = torch.randperm(S, generator=g)[:1000].to(device)
-    dst = torch.cat([src[500:], torch.randperm(S, generator=g)[:500].to(device)])  # overlaps src
-    dst = torch.unique(dst)[:1000]
-
-    def moved(a):
-        kv = [t.clone() for t in a[0]]
-        move_kv(kv, a[1][: a[2].numel()], a[2])
-        return kv
-
-    cases["move_kv"] = (moved, [layers, src, dst])
-
-    lp, tok = draft_topk(torch.randn(3, 7, 500, generator=g) * 3, 6)
-    cases["sglang_build_tree"] = (lambda a: sglang_build_tree(a[0], a[1], 40), [lp.to(device), tok.to(device)])
-    tree = sglang_build_tree(lp, tok, 40)
-    par = tree.parents.int()
-    _, _, _, first_child, sibling = torch.ops.kdtree.verify_metadata(torch.zeros_like(par), par, torch.zeros(3, dtype=torch.int32), True)
-    cand = torch.cat((tok[:, :1, 0], tree.node_tokens), 1)
-    target = cand[:, torch.randperm(41, generator=g)]  # draft tokens in random places: some paths accepted
-    cases["accept_retrieve"] = (lambda a: accept_retrieve(*a, 7), [t.to(device) for t in (first_child, sibling, cand, target)])
-    return cases
-
-
-def _flatten(x):
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (tuple, list)):
-        return [t for item in x for t in _flatten(item)]
-    return []
-
-
-def _to_cpu(x):
-    if isinstance(x, torch.Tensor):
-        return x.cpu()
-    if isinstance(x, (tuple, list)):
-        return type(x)(_to_cpu(t) for t in x) if not hasattr(x, "_fields") else type(x)(*[_to_cpu(t) for t in x])
-    return x
-
-
-def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """Relative Frobenius error of x against ref over ref's finite entries, in float64 on ref's
-    device (NaN in x never passes a `< tol` test)."""
-    x, ref = x.to(ref.device).double(), ref.double()
-    fin = torch.isfinite(ref)
-    return ((x[fin] - ref[fin]).norm() / ref[fin].norm().clamp_min(1e-30)).item() if fin.any() else 0.0
-
-
-def _exact(a, b) -> bool:
-    """Every tensor in a (tensor, tuple or list, Nones skipped) equals its counterpart in b."""
-    xs, ys = _flatten(a), _flatten(b)
-    return len(xs) == len(ys) and all(x.shape == y.shape and torch.equal(x.cpu(), y.cpu()) for x, y in zip(xs, ys))
-
-
-def _selfcheck(device: str) -> int:
-    """One row per op: the op on `device` against its CPU reference (on the CPU, the bf16
-    reference against float64). Returns the number of mismatches."""
-    failures = 0
-    print(f"\n{'op':24s} {'device':7s} {'max rel err':>12s} {'ms':>9s}  result")
-    for name, (call, inputs) in _selfcheck_cases(device).items():
-        start = time.perf_counter()
-        out = call(inputs)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        ms = (time.perf_counter() - start) * 1e3
-        if device == "cuda":
-            ref = call(_to_cpu(inputs))
-        elif name.startswith("verify"):
-            ref = call([x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs])
-        else:
-            print(f"{name:24s} {device:7s} {'-':>12s} {ms:9.3f}  reference ran (no CUDA kernel to compare)")
-            continue
-        errs = [_rel_err(a, b) if a.is_floating_point() else (0.0 if _exact(a, b) else math.inf)
-                for a, b in zip(_flatten(out), _flatten(ref))]
-        err = max(errs, default=0.0)
-        failures += not err < 1e-2
-        print(f"{name:24s} {device:7s} {err:12.2e} {ms:9.3f}  {'ok' if err < 1e-2 else 'MISMATCH'}")
-    return failures
-
-
-# ---- one DDTree verify round (the rest of `python -m kdtree_ops`) ----
-
-# GPU default: one tensor-parallel rank of DeepSeek-V3 (128 heads / TP 8) at 32k context, its
-# vocabulary, DDTree's usual block (L = 15). The CPU default is small: there the ops are the
-# pure-torch references.
-_ROUND_DEFAULTS = {
-    "cuda": dict(batch=4, context=32768, budget=64, heads=16, layers=4, depth=15, vocab=129280),
-    "cpu": dict(batch=2, context=1024, budget=16, heads=4, layers=2, depth=15, vocab=129280),
-}
-_ROUND_STAGES = ("draft_topk", "build_tree", "verify_metadata", "kv_write", "verify_attn", "accept_walk",
-                 "commit_accept", "defragment")
-_MLA_SCALE = 1 / math.sqrt(192)  # DeepSeek's softmax scale (nope 128 + rope 64 before absorption)
-
-
-def _timed(fn, cuda: bool, reps: int = 5, setup=None):
-    """(fn's last result, median ms of `reps` calls). One untimed warm-up call first when
-    reps > 1; `setup()` runs untimed before every call. CUDA events around each call on a
-    drained stream, or perf_counter on the host."""
-    times = []
-    for _ in range(reps + (reps > 1)):
-        if setup is not None:
-            setup()
-        if cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            out = fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return out, statistics.median(times[1:] if reps > 1 else times)
-
-
-def _sglang_extend_attention(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, custom_mask, mask_indptr,
-                             max_nodes: int, sm_scale: float, out):
-    """SGLang 0.5.23's TARGET_VERIFY attention for an MLA layer (Triton ``extend_attention_fwd``
-    with the flat custom mask, as its Triton backend calls it) as a zero-argument callable that
-    writes ``out [T, H, 512]``; None when SGLang's kernels are not importable. The baseline of
-    the main job and of bench_ops.py."""
-    try:
-        from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
-    except Exception:  # noqa: BLE001  (no SGLang or no Triton: nothing to compare against)
-        return None
-    T = q.shape[0]
-    k = tree_k.reshape(T, 1, MLA_QK_DIM)
-    v = tree_k.reshape(T, MLA_QK_DIM)[:, :MLA_V_DIM].contiguous().view(T, 1, MLA_V_DIM)  # MLA: value = latent[:512]
-    kv = kv_cache.view(-1, 1, MLA_QK_DIM)
-    indices = kv_indices.long()
-
-    def call():
-        extend_attention_fwd(q, k, v, out, kv, kv[..., :MLA_V_DIM], qo_indptr, kv_indptr, indices, custom_mask, True,
-                             mask_indptr, max_nodes, 1.0, 1.0, sm_scale=sm_scale)
-        return out
-
-    return call
-
-
-def _python_metadata(tree: Tree, prefix: list[int]):
-    """Baseline: the verify inputs as SGLang's DDTree PR builds them, request by request in
-    Python: kv indices (arange over the prefix), positions, the flat mask (prefix columns
-    true + the tree's ancestor rows), then cat."""
-    N, dev = tree.tokens.shape[1], tree.tokens.device
-    j = torch.arange(N, device=dev)
-    kv, pos, masks = [], [], []
-    for b, P in enumerate(prefix):
-        kv.append(torch.arange(P, device=dev))
-        pos.append(P + tree.depths[b].long())
-        ancestors = ((tree.mask[b][:, j // 32] >> (j % 32)) & 1).bool()
-        masks.append(torch.cat([torch.ones(N, P, dtype=torch.bool, device=dev), ancestors], 1).flatten())
-    return torch.cat(kv), torch.cat(pos), torch.cat(masks)
-
-
-def _python_accept(tree: Tree, target: torch.Tensor) -> list[list[int]]:
-    """Baseline: the accept walk request by request in Python on host copies."""
-    paths = []
-    for par, tok, tgt in zip(tree.parents.tolist(), tree.tokens.tolist(), target.tolist()):
-        child = {}
-        for j in range(len(par) - 1, 0, -1):  # the lowest-index child carrying a token wins
-            child[par[j], tok[j]] = j
-        path = [0]
-        while (nxt := child.get((path[-1], tgt[path[-1]]))) is not None:
-            path.append(nxt)
-        paths.append(path)
-    return paths
-
-
-def _synthetic_targets(tree: Tree, vocab: int, g: torch.Generator) -> tuple[torch.Tensor, list[int]]:
-    """Target tokens [B, N] for a host tree, and the accept length each request must get.
-
-    Request b walks from the root towards a random leaf: all the way for even b, a random
-    number of steps for odd b. Each node on the walk gets the token of its next node as
-    target; where the walk stops the target is a token none of its children carries (it
-    becomes the bonus token); nodes off the walk keep random tokens (never visited).
-    """
-    par, tok = tree.parents.tolist(), tree.tokens.tolist()
-    target = torch.randint(0, vocab, tree.tokens.shape, generator=g).tolist()
-    expect = []
-    for b, n in enumerate(tree.num_nodes.tolist()):
-        kids = [[] for _ in range(n)]
-        for j in range(1, n):
-            kids[par[b][j]].append(j)
-        leaves = [j for j in range(n) if not kids[j]]
-        path = [leaves[int(torch.randint(0, len(leaves), (1,), generator=g))]]
-        while path[-1]:
-            path.append(par[b][path[-1]])
-        path.reverse()
-        steps = len(path) - 1 if b % 2 == 0 else int(torch.randint(0, len(path), (1,), generator=g))
-        for u, v in zip(path[:steps], path[1 : steps + 1]):
-            target[b][u] = tok[b][v]
-        stop, taken = path[steps], {tok[b][c] for c in kids[path[steps]]}
-        while target[b][stop] in taken:
-            target[b][stop] = (target[b][stop] + 1) % vocab
-        expect.append(steps + 1)
-    return torch.tensor(target), expect
-
-
-def _round(cfg: dict, device: str, check: bool) -> int:
-    """One DDTree verify round (DESIGN.md §4) on a synthetic MLA layer stack: prints a line per
-    stage as it starts, then the stage table. Returns the number of failed checks."""
-    import defrag  # it imports this module, so only once this module is loaded
-
-    B, ctx, budget, H, layers, L, V = (cfg[k] for k in ("batch", "context", "budget", "heads", "layers", "depth", "vocab"))
-    N, cuda, dev = budget + 1, device == "cuda", torch.device(device)
-    g = torch.Generator().manual_seed(0)  # host: slot lists, targets
-    gd = torch.Generator(device=dev).manual_seed(0)  # device: bulk random data
-    bf16 = dict(device=dev, dtype=torch.bfloat16)
-
-    # Page-size-1 pool as SGLang's allocator leaves it: slot 0 is padding and allocation takes
-    # the front of the free list. Earlier requests came and went in the first `work` slots (that
-    # part of the list is shuffled), the rest was never used: a pool twice the working set.
-    prefix = [max(ctx - 17 * b, 0) for b in range(B)]  # unequal, so the requests' rows misalign
-    offsets = [0, *itertools.accumulate(prefix)]
-    total, work = offsets[-1], offsets[-1] + B * N
-    size = 2 * work
-    free = torch.cat([torch.randperm(work, generator=g) + 1, torch.arange(work + 1, size + 1)])
-    kv_indices, out_cache_loc, free_rest = free[:total].to(dev), free[total:work].to(dev), free[work:].to(dev)
-    req_to_token = torch.zeros(B + 1, max(prefix) + N, dtype=torch.int32)  # row 0: padding, like SGLang's
-    for b, P in enumerate(prefix):
-        req_to_token[b + 1, :P] = free[offsets[b] : offsets[b + 1]]
-        req_to_token[b + 1, P : P + N] = free[total + b * N : total + (b + 1) * N]  # the verify window
-    req_to_token, req_rows = req_to_token.to(dev), torch.arange(1, B + 1, device=dev)
-    kv_indptr = torch.tensor(offsets, dtype=torch.int32, device=dev)
-    prefix_lens = torch.tensor(prefix, device=dev)
-    pools = [torch.randn(size + 1, MLA_QK_DIM, generator=gd, **bf16) for _ in range(layers)]  # never zeros
-    q = [torch.randn(B * N, H, MLA_QK_DIM, generator=gd, **bf16) for _ in range(layers)]
-    tree_k = [torch.randn(B * N, MLA_QK_DIM, generator=gd, **bf16) for _ in range(layers)]
-    print(f"\nDDTree verify round on {device}: {B} requests, prefixes {prefix[0]}..{prefix[-1]} tokens, budget {budget} "
-          f"(N = {N} nodes with the root), L = {L}, {H} heads, vocab {V};\n{layers} MLA layers, each a bf16 latent pool of "
-          f"{size + 1} x 576 ({(size + 1) * 1152 / 1e6:.1f} MB) with the prefixes in scattered slots", flush=True)
-
-    rows = []
-
-    def stage(name, what):
-        print(f"[{_ROUND_STAGES.index(name) + 1}/{len(_ROUND_STAGES)}] {name}: {what}", flush=True)
-
-    def record(label, ms, base_ms, verdict):  # verdict() -> (ok, note), run only when checking
-        ok, note = verdict() if check else (None, "")
-        rows.append((label, ms, base_ms, ok, note))
-
-    stage("draft_topk", f"drafter logits [{B}, {L}, {V}] -> top-{min(budget, V)} log-probs per position")
-    # A confident drafter: N(0, 2^2) logits with one token per position raised by 15..19, so
-    # the top token carries most of the mass and the best-first tree is deep and branched.
-    logits = torch.randn(B, L, V, generator=gd, device=dev) * 2
-    lift = 15 + 4 * torch.rand(B, L, 1, generator=gd, device=dev)
-    logits.scatter_add_(2, torch.randint(0, V, (B, L, 1), generator=gd, device=dev), lift)
-    root = torch.randint(0, V, (B,), generator=gd, device=dev)
-    (lp, tok), ms = _timed(lambda: draft_topk(logits, min(budget, V)), cuda)
-
-    def verdict():
-        host = logits.cpu()
-        lp_ref, tok_ref = draft_topk(host, min(budget, V))
-        # The same logit at every rank: tokens equal but for the order of exactly tied logits.
-        ok = _exact(host.gather(-1, tok.cpu()), host.gather(-1, tok_ref))
-        return ok and torch.allclose(lp.cpu(), lp_ref, rtol=1e-5, atol=1e-5), "vs CPU reference: tokens (up to ties), log-probs 1e-5"
-
-    record("draft_topk", ms, None, verdict)
-
-    stage("build_tree", f"best-first tree of {budget} nodes per request")
-    tree, ms = _timed(lambda: build_tree(lp, tok, root, budget), cuda)
-    host_in = (lp.cpu(), tok.cpu(), root.cpu())
-    tree_ref, base_ms = _timed(lambda: build_tree(*host_in, budget), False, reps=3)  # the CPU heapq build
-    record("build_tree", ms, base_ms, lambda: (_exact(tree, tree_ref), "exact vs the CPU heapq build"))
-
-    stage("verify_metadata", "positions, qo_indptr, SGLang's flat custom mask + mask_indptr")
-    capacity = flat_mask_size(total, B, N)
-    meta, ms = _timed(lambda: verify_metadata(tree, prefix_lens, custom_mask_capacity=capacity), cuda)
-    loop, base_ms = _timed(lambda: _python_metadata(tree, prefix), cuda, reps=3)
-
-    def verdict():
-        ref = verify_metadata(tree_ref, prefix_lens.cpu(), custom_mask_capacity=capacity)
-        ok = _exact(meta, ref) and _exact(loop[1:], (meta.positions, meta.custom_mask))
-        return ok, "exact vs CPU reference + Python loop"
-
-    record("verify_metadata", ms, base_ms, verdict)
-
-    stage("kv_write", f"the {N} nodes' latents of each request into its {N} fresh slots, {layers} layers")
-
-    def kv_write():
-        for kv, k in zip(pools, tree_k):
-            kv.index_copy_(0, out_cache_loc, k)  # SGLang's MLA set_kv_buffer: kv_buffer[layer][loc] = k
-
-    _, ms = _timed(kv_write, cuda)
-    record(f"kv_write ({layers} layers)", ms, None,
-           lambda: (all(torch.equal(kv[out_cache_loc], k) for kv, k in zip(pools, tree_k)), "exact"))
-
-    stage("verify_attn", f"{layers} layers, {B * N} rows x {H} heads over {total} prefix tokens + the tree")
-    tree_mask = tree.mask.reshape(B * N, -1)  # packed ancestor rows, one per node
-    outs = [torch.empty(B * N, H, MLA_V_DIM, **bf16) for _ in range(layers)]
-    lses = [torch.empty(B * N, H, device=dev) for _ in range(layers)]
-
-    def attention():
-        for i in range(layers):
-            verify_attn(q[i], pools[i], kv_indptr, kv_indices, meta.qo_indptr, tree_k[i], tree_mask, _MLA_SCALE,
-                        out=outs[i], lse=lses[i], max_kv_len=max(prefix))
-
-    _, ms = _timed(attention, cuda)
-    theirs = [torch.empty_like(o) for o in outs]
-    sglang = [_sglang_extend_attention(q[i], pools[i], kv_indptr, kv_indices, meta.qo_indptr, tree_k[i],
-                                       meta.custom_mask, meta.mask_indptr, N, _MLA_SCALE, theirs[i])
-              for i in range(layers)] if cuda else [None]
-    base_ms = None
-    if sglang[0] is not None:
-        print("      SGLang's Triton extend_attention_fwd on the same inputs (its first call compiles it)", flush=True)
-        try:
-            base_ms = _timed(lambda: [call() for call in sglang], cuda, reps=3)[1]
-        except Exception as e:  # noqa: BLE001  (a broken Triton install must not hide our results)
-            print(f"      SGLang's kernel failed, no attention baseline: {type(e).__name__}: {e}", flush=True)
-
-    def verdict():
-        errs, sg_errs = [], []
-        for i in range(layers):  # float64 reference on the data's device, over the prefix rows only
-            ref_out, ref_lse = _verify_attn_math(q[i].double(), pools[i][kv_indices].double(), kv_indptr,
-                                                 torch.arange(total, device=dev), meta.qo_indptr, tree_k[i].double(),
-                                                 tree_mask, _MLA_SCALE)
-            errs.append(max(_rel_err(outs[i], ref_out), _rel_err(lses[i], ref_lse)))
-            if base_ms is not None:
-                sg_errs.append(_rel_err(theirs[i], ref_out))
-        sg_note = f", SGLang's {max(sg_errs):.1e}" if sg_errs else ""
-        return max(errs) < 1e-2, f"rel err {max(errs):.1e} vs float64{sg_note}"
-
-    record(f"verify_attn ({layers} layers)", ms, base_ms, verdict)
-    attn_base_ms = base_ms
-
-    stage("accept_walk", "targets follow a random root-to-leaf path: all of it (even requests) or part (odd)")
-    target, expect = _synthetic_targets(tree_ref, V, g)
-    target = target.to(dev)
-    (accepted, accept_len, bonus), ms = _timed(lambda: accept_walk(tree, target, max_depth=L), cuda)
-    paths, base_ms = _timed(lambda: _python_accept(tree, target), cuda, reps=3)
-
-    def verdict():
-        ref = accept_walk(tree_ref, target.cpu(), max_depth=L)
-        walked = [a[:n] for a, n in zip(accepted.tolist(), accept_len.tolist())]
-        return (_exact((accepted, accept_len, bonus), ref) and walked == paths and accept_len.tolist() == expect,
-                "exact vs CPU reference + Python walk")
-
-    record("accept_walk", ms, base_ms, verdict)
-
-    stage("commit_accept", "accepted KV to the front of each verify window, req_to_token updated")
-    window_rtt = req_to_token.clone()
-
-    def restore():  # every repeat moves the same KV
-        kv_write()
-        req_to_token.copy_(window_rtt)
-
-    def commit():
-        return defrag.commit_accept(pools, req_to_token, req_rows, prefix_lens, accepted, accept_len, out_cache_loc, N)
-
-    moves, ms = _timed(commit, cuda, setup=restore)
-
-    def verdict():
-        ref = defrag.accept_moves(accepted.cpu(), accept_len.cpu(), out_cache_loc.cpu(), N)
-        b, j = (moves.kept >= 0).nonzero(as_tuple=True)
-        kept, node = moves.kept[b, j], b * N + accepted[b, j].long()  # accepted token j <- node's latent
-        expected = window_rtt.clone()
-        expected[req_rows[b], prefix_lens[b] + j] = kept.to(expected.dtype)
-        kv_ok = all(torch.equal(kv[kept], k[node]) for kv, k in zip(pools, tree_k))
-        ok = _exact(moves, ref) and kv_ok and torch.equal(req_to_token, expected)
-        return ok, "moves vs CPU reference, KV + req_to_token exact"
-
-    record("commit_accept", ms, None, verdict)
-    free_slots = torch.cat([free_rest, moves.freed[moves.freed > 0]])  # the allocator takes the rejected slots back
-
-    stage("defragment", "one pass: every request's KV into one contiguous run of slots")
-    pool = defrag.TensorPool(req_to_token, pools, free_slots, size)
-    lens = prefix_lens + accept_len
-    width = int(lens.max())
-    owned = torch.arange(width, device=dev) < lens[:, None]
-    runs_before = defrag.fragmentation(req_to_token, req_rows, lens)
-    kv_before = [kv[req_to_token[req_rows, :width][owned].long()] for kv in pools] if check else []
-    plan, ms = _timed(lambda: defrag.defragment(pool, req_rows, lens, byte_budget=None), cuda, reps=1)
-    runs_after = defrag.fragmentation(req_to_token, req_rows, lens)
-
-    def verdict():
-        try:
-            defrag.check_partition(pool, req_rows, lens)  # free + owned = every slot exactly once
-        except AssertionError as e:
-            return False, str(e)
-        slots = req_to_token[req_rows, :width][owned].long()
-        same = all(torch.equal(kv[slots], old) for kv, old in zip(pools, kv_before))
-        one_run = bool((runs_after == 1).all()) and not plan.skipped
-        return same and one_run, plan.reason or "KV per request unchanged, slots partitioned, one run each"
-
-    record("defragment", ms, None, verdict)
-
-    print(f"\naccept lengths {accept_len.tolist()} (at most L + 1 = {L + 1}); slot runs per request: "
-          f"before defrag {runs_before.tolist()}, after {runs_after.tolist()} "
-          f"({plan.moved_slots} slots, {plan.bytes / 1e6:.1f} MB moved over {layers} layers)")
-    print(f"\n{'stage':24s} {'ours ms':>9s} {'SGLang path ms':>15s} {'speedup':>8s}  check")
-    for label, ms, base_ms, ok, note in rows:
-        base = f"{base_ms:15.3f} {base_ms / ms:7.1f}x" if base_ms is not None else f"{'-':>15s} {'-':>8s}"
-        verdict = "skipped" if ok is None else f"{'ok' if ok else 'FAIL'}: {note}"
-        print(f"{label:24s} {ms:9.3f} {base}  {verdict}")
-    clock = "CUDA events" if cuda else "perf_counter"
-    attn_note = "" if attn_base_ms is not None else " (needs CUDA and SGLang's kernels)"
-    print(f"ms: median of 5 calls after a warm-up ({clock}); baselines: 3 calls, the CPU heapq build by perf_counter;\n"
-          "commit_accept restores its inputs between repeats; defragment (host planning + one move_kv) runs once.\n"
-          "SGLang path: build_tree = the per-request CPU heapq build (the reference); verify_metadata = a per-request\n"
-          "Python loop (arange + cat, as SGLang's DDTree PR); verify_attn = SGLang's Triton extend_attention_fwd with\n"
-          f"the flat mask{attn_note}; accept_walk = a per-request Python walk; '-': SGLang does the same or nothing.")
-    if attn_base_ms is not None:  # the verify step end to end
-        ours, base = sum(r[1] for r in rows[:6]), sum(r[2] if r[2] is not None else r[1] for r in rows[:6])
-        print(f"verify step (draft_topk to accept_walk): {ours:.3f} ms vs SGLang path {base:.3f} ms, "
-              f"{base / ours:.1f}x (stages without a baseline counted at our time)")
-    return sum(ok is False for *_, ok, _ in rows)
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m kdtree_ops``: report the environment, check every op against its reference
-    (one row per op), then run one DDTree verify round and print its stage table. Returns 1 if
-    any check failed."""
-    import platform
-
-    parser = argparse.ArgumentParser(
-        prog="python -m kdtree_ops",
-        description="Environment report, per-op self-check, and one DDTree verify round on a synthetic MLA "
-        "layer stack (drafter logits to defrag), each stage timed beside SGLang's path and checked "
-        "against its reference.",
-    )
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="auto: cuda where the kernels are built, else cpu (the references, smaller default sizes)")
-    sizes = (("batch", "requests"), ("context", "prefix tokens of request 0 (request b has 17 b fewer)"),
-             ("budget", "draft tree nodes besides the root"), ("heads", "query heads (of one TP rank)"),
-             ("layers", "MLA layers"), ("depth", "draft positions L"), ("vocab", "drafter vocabulary"))
-    for name, what in sizes:
-        parser.add_argument(f"--{name}", type=int,
-                            help=f"{what}; default {_ROUND_DEFAULTS['cuda'][name]} on cuda, {_ROUND_DEFAULTS['cpu'][name]} on cpu")
-    parser.add_argument("--no-check", action="store_true", help="skip the self-check and the round's reference checks")
-    args = parser.parse_args(argv)
-
-    print(f"kdtree_ops  python {platform.python_version()}  torch {torch.__version__}  CUDA {torch.version.cuda}")
-    gpu = torch.cuda.is_available()
-    if gpu:
-        major, minor = torch.cuda.get_device_capability()
-        print(f"GPU: {torch.cuda.get_device_name()} (sm_{major}{minor}), {torch.cuda.get_device_properties(0).multi_processor_count} SMs")
-    else:
-        print("GPU: none - CUDA kernels are not built; running the CPU references only")
-    print(f"cache: {cache_root()}  KDTREE_NO_BUILD={os.environ.get('KDTREE_NO_BUILD', '')!r}  KDTREE_CHECK={os.environ.get('KDTREE_CHECK', '')!r}")
-    if gpu and not cuda_available():
-        print("CUDA kernels: not loaded (KDTREE_NO_BUILD set)")
-    elif gpu:
-        print(f"CUDA kernels: {build()}")
-    device = ("cuda" if cuda_available() else "cpu") if args.device == "auto" else args.device
-    if device == "cuda" and not cuda_available():
-        print("kdtree_ops: --device cuda needs a CUDA GPU and the built kernels", file=sys.stderr)
-        return 2
-
-    failures = 0 if args.no_check else _selfcheck(device)
-    cfg = {k: v if getattr(args, k) is None else getattr(args, k) for k, v in _ROUND_DEFAULTS[device].items()}
-    if device == "cpu":
-        print(f"\nCPU: the round runs the pure-torch references at a small default size "
-              f"({_ROUND_DEFAULTS['cpu']['batch']} requests x {_ROUND_DEFAULTS['cpu']['context']} context); "
-              f"a GPU runs {_ROUND_DEFAULTS['cuda']['batch']} x {_ROUND_DEFAULTS['cuda']['context']}")
-    failures += _round(cfg, device, check=not args.no_check)
-    verdict = "checks skipped (--no-check)" if args.no_check else f"{failures} check(s) FAILED" if failures else "all checks passed"
-    print(f"\n{verdict}", flush=True)
-    return 1 if failures else 0
-
 
 # KDTREE_VERIFY=validate|on: hook SGLang's verify attention (sglang_hook.py). Only when SGLang
 # is importable, and a hook problem never fails this import.

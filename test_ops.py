@@ -9,36 +9,38 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import logging as _logging
 import math
 import os
 import shutil
 import subprocess
 import sys
-
-import logging as _logging
 import types as _types
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-import kdtree_ops
-import sglang_hook
-
-# SGLang's Triton kernels run on CPU in the interpreter; it must be chosen before triton loads.
+# SGLang's Triton kernels run on CPU in the interpreter; chosen before anything
+# (SGLang, the benchmarks' baselines) imports triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import bench_ops  # noqa: E402
+import defrag  # noqa: E402
+import kdtree_ops  # noqa: E402
+import sglang_hook  # noqa: E402
+import testkit  # noqa: E402
+from testkit import (  # noqa: E402
+    DDTREE_KINDS, ROW_TOL, VERIFY_ARGS, assert_same_round, assert_verify_close, ddtree_batch, ddtree_logits,
+    ddtree_round, ddtree_targets, greedy_logits, make_verify_case, rel_err, rows_close, same, sglang_flat_mask,
+    skip_unless_triton_runs_on, tree_buffers, verify_args, verify_reference)
 
 GPU = kdtree_ops.cuda_available()
 needs_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and the built kdtree kernels")
 DEVICES = ["cpu", pytest.param("cuda", marks=needs_gpu)]
 
-
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """Relative Frobenius error of x against ref, computed in float64; NaN never passes."""
-    x, ref = x.double().cpu(), ref.double().cpu()
-    if not torch.isfinite(x).all():
-        return math.inf
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
 
 def graph_replay(fn, make_inputs, check):
@@ -329,70 +331,10 @@ def test_merge_state_rejects_bad_input():
 # ---- verify attention ----
 
 
-def random_tree_mask(nodes: int, generator: torch.Generator) -> torch.Tensor:
-    """[nodes, nodes] bool ancestor-or-self mask of a random tree (parents before children)."""
-    mask = torch.zeros(nodes, nodes, dtype=torch.bool)
-    for i in range(nodes):
-        if i:
-            parent = int(torch.randint(0, i, (1,), generator=generator))
-            mask[i] = mask[parent]
-        mask[i, i] = True
-    return mask
 
 
-def make_verify_case(prefix_lens, node_counts, heads, *, dtype=torch.bfloat16, device="cuda",
-                     pool=None, causal=False, index_dtype=torch.int32, kv_3d=False, seed=None):
-    """Random verify batch: scattered prefix slots in a pool, random trees, packed masks."""
-    g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
-    B, total = len(prefix_lens), sum(prefix_lens)
-    T, nmax = sum(node_counts), max(node_counts)
-    S = pool or max(2 * total + 16, 64)
-    kv_cache = torch.empty(S, 576, dtype=dtype, device=device)
-    slots = torch.randperm(S, generator=g)[:total].to(device)
-    kv_cache[slots] = torch.randn(total, 576, generator=g).to(device=device, dtype=dtype)
-    q = torch.randn(T, heads, 576, generator=g).to(device=device, dtype=dtype)
-    tree_k = torch.randn(T, 576, generator=g).to(device=device, dtype=dtype)
-    kv_indptr = torch.tensor([0, *itertools.accumulate(prefix_lens)], dtype=torch.int32, device=device)
-    qo_indptr = torch.tensor([0, *itertools.accumulate(node_counts)], dtype=torch.int32, device=device)
-    visible = torch.zeros(T, nmax, dtype=torch.bool)
-    for b, n in enumerate(node_counts):
-        q0 = int(qo_indptr[b])
-        visible[q0 : q0 + n, :n] = torch.ones(n, n, dtype=torch.bool).tril() if causal else random_tree_mask(n, g)
-    return {
-        "q": q,
-        "kv_cache": kv_cache.view(S, 1, 576) if kv_3d else kv_cache,
-        "kv_indptr": kv_indptr,
-        "kv_indices": slots.to(index_dtype),
-        "qo_indptr": qo_indptr,
-        "tree_k": tree_k,
-        "tree_mask": None if causal else kdtree_ops._pack_bits(visible, -(-nmax // 32)).to(device),
-        "sm_scale": 1.0 / math.sqrt(192),
-        "visible": visible,
-    }
 
 
-VERIFY_ARGS = ["q", "kv_cache", "kv_indptr", "kv_indices", "qo_indptr", "tree_k", "tree_mask", "sm_scale"]
-
-
-def verify_args(case):
-    return [case[k] for k in VERIFY_ARGS]
-
-
-def verify_reference(case):
-    """float64 reference on the inputs' own device (fast on a GPU)."""
-    args = verify_args(case)
-    for i in (0, 1, 5):
-        args[i] = args[i].double()
-    return kdtree_ops._verify_attn_math(*args)
-
-
-def assert_verify_close(out, lse, case, tol=1e-2):
-    ref_out, ref_lse = verify_reference(case)
-    assert out.dtype == case["q"].dtype and lse.dtype == torch.float32
-    assert rel_err(out, ref_out) < tol, rel_err(out, ref_out)
-    inf = torch.isinf(ref_lse)
-    assert torch.equal(torch.isinf(lse), inf)
-    assert torch.allclose(lse[~inf].double(), ref_lse[~inf], atol=2e-3, rtol=1e-4)
 
 
 def test_verify_attn_reference_matches_dense_attention():
@@ -587,28 +529,17 @@ def test_verify_attn_compile(device):
     assert rel_err(out / 2, ref_out) < 1e-2
 
 
-def sglang_flat_mask(case):
-    """SGLang's TARGET_VERIFY custom mask: per request nodes x (prefix + nodes), row-major."""
-    qo, kvp = case["qo_indptr"].tolist(), case["kv_indptr"].tolist()
-    blocks, indptr = [], [0]
-    for b in range(len(qo) - 1):
-        n, prefix = qo[b + 1] - qo[b], kvp[b + 1] - kvp[b]
-        block = torch.ones(n, prefix + n, dtype=torch.bool)
-        block[:, prefix:] = case["visible"][qo[b] : qo[b + 1], :n]
-        blocks.append(block.flatten())
-        indptr.append(indptr[-1] + block.numel())
-    return torch.cat(blocks), torch.tensor(indptr, dtype=torch.int64)
-
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_sglang_mask_to_packed(device):
     case = make_verify_case([5, 0, 70], [9, 33, 1], 1, device="cpu")
     flat, indptr = sglang_flat_mask(case)
     args = [flat.to(device), indptr.to(device), case["qo_indptr"].to(device), case["kv_indptr"].to(device)]
+    exact = kdtree_ops.pack_bits(case["visible"], 2)  # the case's own mask has garbage past each request's nodes
     packed = kdtree_ops.sglang_mask_to_packed(*args, num_rows=43, max_nodes=33)
-    assert torch.equal(packed.cpu(), case["tree_mask"])
-    assert torch.equal(kdtree_ops.sglang_mask_to_packed(*args).cpu(), case["tree_mask"])
-    assert torch.equal(kdtree_ops.sglang_mask_to_packed(args[0].to(torch.uint8), *args[1:]).cpu(), case["tree_mask"])
+    assert torch.equal(packed.cpu(), exact)
+    assert torch.equal(kdtree_ops.sglang_mask_to_packed(*args).cpu(), exact)
+    assert torch.equal(kdtree_ops.sglang_mask_to_packed(args[0].to(torch.uint8), *args[1:]).cpu(), exact)
     torch.library.opcheck(torch.ops.kdtree.sglang_mask_to_packed.default, [*args, 43, 33])
 
 
@@ -617,7 +548,7 @@ def test_pack_tree_mask(device):
     mask = torch.rand(13, 70) < 0.5
     packed = kdtree_ops.pack_tree_mask(mask.to(device)).cpu()
     assert packed.shape == (13, 3) and packed.dtype == torch.int32
-    assert torch.equal(kdtree_ops._unpack_bits(packed, 70), mask)
+    assert torch.equal(kdtree_ops.unpack_bits(packed, 70), mask)
 
 
 def mask_inputs(device):
@@ -625,7 +556,7 @@ def mask_inputs(device):
     case = make_verify_case([5, 0, 70], [9, 33, 1], 1, device="cpu")
     flat, indptr = sglang_flat_mask(case)
     args = [flat.to(device), indptr.to(device), case["qo_indptr"].to(device), case["kv_indptr"].to(device)]
-    return args, case["visible"].to(device), case["tree_mask"]
+    return args, case["visible"].to(device), kdtree_ops.pack_bits(case["visible"], 2).to(device)
 
 
 @needs_gpu
@@ -697,9 +628,7 @@ def test_verify_attn_rejects_bad_input(device):
 
 # ---- tree ops ----
 
-import itertools  # noqa: E402
 
-from hypothesis import given, settings, strategies as st  # noqa: E402
 
 # Log-prob value sets: "ties" sums exactly (many equal scores), "absorb" has terms that vanish
 # in float32 sums (equal scores across depths), "wild" is unsorted with positive values (the
@@ -764,7 +693,8 @@ def check_tree_invariants(tree, topk_tokens, budget):
             rows[i] = (rows[par[i]] if i else 0) | 1 << i
         assert all(p == -1 for p in par[n:]) and all(d == 0 for d in dep[n:])
         assert tree.tokens[b, n:].eq(0).all()
-        assert torch.equal(tree.mask[b].cpu(), kdtree_ops._pack_rows(rows, W))
+        bits = torch.tensor([[(r >> j) & 1 for j in range(32 * W)] for r in rows], dtype=torch.bool)
+        assert torch.equal(kdtree_ops.unpack_bits(tree.mask[b].cpu(), 32 * W), bits)
 
 
 @pytest.mark.parametrize("kind", ["normal", "ties", "absorb", "inf"])
@@ -1111,9 +1041,6 @@ def test_tree_ops_cuda_graph():
 
 # ---- kv movement ----
 
-import defrag  # noqa: E402  (kept with its tests so other sections stay independent)
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 # (row shape, dtype): MLA latent rows, fp8-as-bytes, odd row sizes for every vector width
 MOVE_LAYOUTS = [
@@ -1614,23 +1541,12 @@ def test_defrag_budget_and_pinned():
 # in for the CUDA kernels), and on a GPU against SGLang's own Triton kernel.
 
 # ---- SGLang hook, driven through SGLang's own code ----
-# Every case builds its batch with SGLang 0.5.23's real classes (sglang_testbed.py): pools,
+# Every case builds its batch with SGLang 0.5.23's real classes (testkit.py): pools,
 # allocator, KV index translator, TritonAttnBackend and its metadata paths, EAGLE trees from
 # SGLang's tree builder, DFlash chains. The result is compared with SGLang's own
 # forward_extend on the same state; on CPU its Triton kernels run in the interpreter (float16:
 # the interpreter has no bfloat16).
 
-
-def rows_close(out: torch.Tensor, ref: torch.Tensor, heads: int, tol: float) -> float:
-    """Worst (node, head) row's max |out - ref| over that row's max |ref|: a single wrong row
-    cannot hide in a batch-wide norm."""
-    o = out.double().cpu().reshape(-1, heads, out.shape[-1] // heads)
-    r = ref.double().cpu().reshape_as(o)
-    if not torch.isfinite(o).all():
-        return math.inf
-    worst = ((o - r).abs().amax(-1) / r.abs().amax(-1).clamp_min(1e-6)).max().item()
-    assert worst < tol, f"worst row error {worst:.3g} >= {tol}"
-    return worst
 
 
 HOOK_KINDS = {  # verify input -> (speculative algorithm, EAGLE topk)
@@ -1646,7 +1562,7 @@ def sgl(monkeypatch):
     and metadata methods are restored after."""
     pytest.importorskip("sglang")
     pytest.importorskip("transformers")
-    tbd = pytest.importorskip("sglang_testbed")
+    tbd = testkit
     for name in ("KDTREE_PROFILE", "KDTREE_DEFRAG", "KDTREE_LOG_EVERY", "KDTREE_VERIFY"):
         monkeypatch.delenv(name, raising=False)
     sglang_hook.uninstall()
@@ -1656,12 +1572,6 @@ def sgl(monkeypatch):
 
     reset_context()
 
-
-def skip_unless_triton_runs_on(device):
-    """SGLang's Triton kernels take CPU tensors only in the interpreter (chosen at the top of
-    this file where there is no GPU); a GPU machine runs those cases on CUDA instead."""
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("SGLang's Triton kernels run on CPU tensors only in the interpreter (TRITON_INTERPRET=1)")
 
 
 def hook_server(tbd, device, kind="eagle_tree", *, N=6, steps=3, heads=4, layers=2, dtype=None, server_args=None,
@@ -1704,7 +1614,6 @@ def check_served_layers(srv, step, layers, tol):
         rows_close(ours, ref, r.heads, tol)
 
 
-HOOK_TOL = {"cpu": 1e-2, "cuda": 3e-2}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -1736,7 +1645,7 @@ def test_hook_serves_sglang_metadata(sgl, device, kind, path):
         if path == "graph_buffers":
             assert md.qo_indptr.dtype == torch.int64 and md.kv_indices.dtype == torch.int64
             assert md.custom_mask is None if kind == "dflash" else md.custom_mask.dtype == torch.uint8
-        check_served_layers(srv, step, layers, HOOK_TOL[device])
+        check_served_layers(srv, step, layers, ROW_TOL[device])
     assert (st.ours, st.fallbacks) == (len(batches) * len(layers), 0)
     assert st.warned == set()
 
@@ -1754,7 +1663,7 @@ def test_hook_serves_fp8_checkpoint_layers(sgl, device):
     sglang_hook.install("on")
     step = sgl.verify_step(r, [9, 40], hook_spec(srv, [9, 40], g), generator=g)
     r.backend.init_forward_metadata(step.fb)
-    check_served_layers(srv, step, layers, HOOK_TOL[device])
+    check_served_layers(srv, step, layers, ROW_TOL[device])
     assert (sglang_hook._STATE.ours, sglang_hook._STATE.fallbacks) == (len(layers), 0)
 
 
@@ -1782,7 +1691,7 @@ def test_hook_dflash_draft_and_target_in_one_step(sgl, device, caplog):
             out = draft.backend.forward_extend(q, k, v, draft.layer(i), step.fb)
             assert torch.equal(out, sglang_forward(draft.backend, q, k, v, draft.layer(i), step.fb))
         target.backend.init_forward_metadata(step.fb)
-        check_served_layers(srv, step, [target.layer(i) for i in range(target.layers)], HOOK_TOL[device])
+        check_served_layers(srv, step, [target.layer(i) for i in range(target.layers)], ROW_TOL[device])
     assert (st.ours, st.fallbacks, st.steps) == (target.layers, 0, 1)
     assert not [rec for rec in caplog.records if rec.name == "kdtree_ops" and rec.levelno >= _logging.WARNING]
 
@@ -1875,7 +1784,7 @@ def test_hook_converts_mask_once_per_step(sgl, monkeypatch):
     for prefix_lens in ([4, 8], [9, 1, 3]):
         step = sgl.verify_step(srv.runner, prefix_lens, hook_spec(srv, prefix_lens, g), generator=g)
         srv.runner.backend.init_forward_metadata(step.fb)
-        check_served_layers(srv, step, [srv.runner.layer(i) for i in range(3)], HOOK_TOL["cpu"])
+        check_served_layers(srv, step, [srv.runner.layer(i) for i in range(3)], ROW_TOL["cpu"])
     assert len(n) == 2
 
 
@@ -2080,7 +1989,7 @@ def test_import_touches_no_cuda(tmp_path):
     """`import kdtree_ops` (the sitecustomize line, hook on) starts no CUDA work: no device
     query, no CUDA init, no build. Run where a GPU is claimed present and every CUDA entry point
     kdtree_ops could reach at import raises."""
-    script = f"""
+    script = """
 import torch, sys
 def boom(*a, **k):
     raise SystemExit("CUDA touched at import: " + repr(a))
@@ -2152,7 +2061,7 @@ def test_hook_cuda_graph_capture_and_replay(sgl, kind):
     torch.cuda.synchronize()
     r.backend.init_forward_metadata(step2.fb)
     for (q, k, v), layer, out in zip(static, layers, outs):
-        rows_close(out, sglang_forward(r.backend, q, k, v, layer, step2.fb), r.heads, HOOK_TOL["cuda"])
+        rows_close(out, sglang_forward(r.backend, q, k, v, layer, step2.fb), r.heads, ROW_TOL["cuda"])
 
 
 # ---- DDTree through the hook (SGLang PR #29907) ----
@@ -2161,82 +2070,38 @@ def test_hook_cuda_graph_capture_and_replay(sgl, kind):
 # kdtree_ops serves them with its CPU reference ops on CPU and its kernels on a GPU; SGLang's
 # Triton kernels on that path run interpreted on CPU (TRITON_INTERPRET, top of this file).
 
-DDTREE_KINDS = ("random", "peaked", "flat", "ties", "zeros")
 
 
-def ddtree_logits(bs, L, V, kind, g):
-    """Drafter logits [bs, L, V]: `ties` and `zeros` make many exactly equal scores (the heap's
-    rank-tuple tie-break), `peaked` deep narrow trees, `flat` shallow bushy ones."""
-    if kind == "random":
-        return torch.randn(bs, L, V, generator=g) * 3
-    if kind == "peaked":
-        x = torch.randn(bs, L, V, generator=g) * 2
-        return x.scatter_add_(2, torch.randint(0, V, (bs, L, 1), generator=g), 12 + 4 * torch.rand(bs, L, 1, generator=g))
-    if kind == "flat":
-        return torch.randn(bs, L, V, generator=g) * 0.3
-    if kind == "ties":
-        return torch.randint(0, 3, (bs, L, V), generator=g).float()
-    return torch.zeros(bs, L, V)
-
-
-def ddtree_targets(parents, node_tokens, V, g, follow=0.8):
-    """The target's greedy token per node [bs, D]: along a random root-to-leaf walk it matches
-    a child's token (each step with probability `follow`), elsewhere it is random."""
-    parents, node_tokens = parents.cpu(), node_tokens.cpu()
-    bs, D = parents.shape
-    target = torch.randint(0, V, (bs, D), generator=g)
-    for b in range(bs):
-        kids = [[] for _ in range(D)]
-        for i, p in enumerate(parents[b].tolist()[1:], 1):
-            if p >= 0:
-                kids[p].append(i)
-        cur = 0
-        while kids[cur] and float(torch.rand(1, generator=g)) < follow:
-            child = kids[cur][int(torch.randint(0, len(kids[cur]), (1,), generator=g))]
-            target[b, cur] = node_tokens[b, child - 1]
-            cur = child
-    return target
 
 
 @pytest.fixture(scope="module")
 def pr():
-    """The DDTree PR's modules and their original functions; the runtime context eagle_sample reads."""
+    """The DDTree PR's modules and functions (testkit.ddtree_pr); the runtime context
+    eagle_sample reads."""
     pytest.importorskip("sglang")
-    utils = pytest.importorskip("sglang.srt.speculative.ddtree_utils")
-    info = pytest.importorskip("sglang.srt.speculative.ddtree_info")
-    worker = pytest.importorskip("sglang.srt.speculative.ddtree_worker")
-    import sglang.kernels.ops.speculative.spec_tree as spec_tree
+    for module in ("ddtree_utils", "ddtree_info", "ddtree_worker"):
+        pytest.importorskip(f"sglang.srt.speculative.{module}")
     from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
     from sglang.srt.server_args import ServerArgs
-    from sglang.srt.speculative import eagle_utils
 
     sglang_hook.uninstall()
-    original = lambda f: getattr(f, "_kdtree_original", f)
     reset_context()
     publish(ServerArgs(model_path="dummy", device="cpu", attention_backend="triton"), role="test",
             ranks=SpawnRanks(world_rank=0, dp_rank=None))
-    yield _types.SimpleNamespace(
-        utils=utils, info=info, worker=worker, eagle_utils=eagle_utils, spec_tree=spec_tree,
-        build=original(utils.build_ddtree_tree), eagle_format=original(utils.build_eagle_tree_format),
-        flat_mask=original(worker.DDTreeWorker._build_flat_tree_mask), verify=original(info.DDTreeVerifyInput.verify))
+    yield testkit.ddtree_pr()
     sglang_hook.uninstall()
     reset_context()
 
 
 @pytest.fixture
 def ddtree_hook(pr, monkeypatch):
-    """install(mode) -> the hook's DDTree counters. SGLang's greedy tree verify runs on SGLang's
-    own Triton kernel (its XPU path): 0.5.23's dispatcher has no CPU path without sgl_kernel
-    (a silent no-op there), and on a GPU this avoids needing SGLang's JIT toolchain."""
+    """install(mode) -> the hook's DDTree counters; SGLang's greedy tree verify on its Triton
+    kernel (testkit.verify_tree_greedy_on_triton)."""
     sglang_hook.uninstall()
     for name in ("SGLANG_DDTREE_MAX_TOPK", "SGLANG_DDTREE_DEPTH_BONUS", "SGLANG_DDTREE_RANK_PROBE", "KDTREE_LOG_EVERY"):
         monkeypatch.delenv(name, raising=False)
 
-    def verify_tree_greedy_func(*, predicts, accept_index, accept_token_num, topk=-1, **arrays):
-        pr.spec_tree.verify_tree_greedy_triton(predicts, accept_index, accept_token_num, **arrays)
-        return predicts, accept_index, accept_token_num
-
-    monkeypatch.setattr(pr.eagle_utils, "verify_tree_greedy_func", verify_tree_greedy_func)
+    monkeypatch.setattr(pr.eagle_utils, "verify_tree_greedy_func", testkit.verify_tree_greedy_on_triton(pr.spec_tree))
 
     def install(mode="on"):
         assert sglang_hook.install(mode)
@@ -2246,139 +2111,10 @@ def ddtree_hook(pr, monkeypatch):
     sglang_hook.uninstall()
 
 
-def pr_calls(pr):
-    return _types.SimpleNamespace(build=pr.build, eagle_format=pr.eagle_format, flat_mask=pr.flat_mask, verify=pr.verify)
 
 
-def hooked_calls(pr):
-    """The names the worker calls (its module's imports, its class, the verify input's class)."""
-    return _types.SimpleNamespace(
-        build=lambda **kw: pr.worker.build_ddtree_tree(**kw),
-        eagle_format=lambda **kw: pr.worker.build_eagle_tree_format(**kw),
-        flat_mask=lambda worker, **kw: worker._build_flat_tree_mask(**kw),
-        verify=lambda vi, **kw: vi.verify(**kw))
 
 
-def tree_buffers(bs_max, budget, device):
-    """The worker's persistent build outputs (DDTreeWorker.__init__)."""
-    D = budget + 1
-    return dict(
-        _out_node_token_ids=torch.zeros(bs_max, budget, dtype=torch.long, device=device),
-        _out_node_depths=torch.zeros(bs_max, budget, dtype=torch.long, device=device),
-        _out_parents=torch.full((bs_max, D), -1, dtype=torch.long, device=device),
-        _out_visibility=torch.zeros(bs_max, D, D, dtype=torch.bool, device=device))
-
-
-def ddtree_batch(device, prefix_lens, D, V):
-    """A real 0.5.23 decode batch: pools, allocator (prefix slots taken, scattered), Reqs,
-    SamplingBatchInfo (greedy), a disabled RadixCache and a ScheduleBatch."""
-    skip_unless_triton_runs_on(device)
-    import array
-
-    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
-    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool
-    from sglang.srt.mem_cache.radix_cache import RadixCache
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
-    from sglang.srt.sampling.sampling_params import SamplingParams
-
-    bs, total = len(prefix_lens), sum(prefix_lens)
-    size = total + bs * D + 16
-    rtp = ReqToTokenPool(size=bs + 1, max_context_len=max(prefix_lens) + D + 8, device=device, enable_memory_saver=False)
-    kv = MLATokenToKVPool(size=size, page_size=1, dtype=torch.bfloat16, kv_lora_rank=16, qk_rope_head_dim=8,
-                          layer_num=1, device=device, enable_memory_saver=False)
-    alloc = TokenToKVPoolAllocator(size=size, dtype=torch.bfloat16, device=device, kvcache=kv, need_sort=False)
-    alloc.free_pages = alloc.free_pages[torch.randperm(size, generator=torch.Generator().manual_seed(size)).to(device)]
-    pre = alloc.alloc(total)
-    reqs, at = [], 0
-    for b, P in enumerate(prefix_lens):
-        rtp.req_to_token[b, :P] = pre[at : at + P].to(rtp.req_to_token.dtype)
-        at += P
-        req = Req(f"r{b}", "", array.array("i", [1, 2, 3]), SamplingParams(temperature=0))
-        # The PR reads these from the Req (its SGLang base kept them there); 0.5.23 has them in req.kv.
-        req.kv_committed_len = req.kv_allocated_len = P
-        reqs.append(req)
-    sampling = SamplingBatchInfo(
-        temperatures=torch.ones(bs, 1, device=device), top_ps=torch.ones(bs, device=device),
-        top_ks=torch.ones(bs, dtype=torch.int32, device=device), min_ps=torch.zeros(bs, device=device),
-        is_all_greedy=True, is_any_greedy=True, need_top_p_sampling=False, need_top_k_sampling=False,
-        need_min_p_sampling=False, vocab_size=V)
-    cache = RadixCache(CacheInitParams(disable=True, req_to_token_pool=rtp, token_to_kv_pool_allocator=alloc, page_size=1))
-    seq = torch.tensor(prefix_lens, dtype=torch.int64)
-    return ScheduleBatch(reqs=reqs, req_to_token_pool=rtp, token_to_kv_pool_allocator=alloc, tree_cache=cache,
-                         forward_mode=ForwardMode.DECODE, device=device, seq_lens=seq.to(device), seq_lens_cpu=seq.clone(),
-                         seq_lens_sum=int(seq.sum()), req_pool_indices=torch.arange(bs, device=device), sampling_info=sampling)
-
-
-def ddtree_round(pr, calls, batch, logits, verified, budget, target, hidden, bs_max=None):
-    """One full-tree DDTree round as DDTreeWorker._prepare_for_speculative_decoding and
-    forward_batch_generation run it (minus the forwards): tree, verify ids/positions, EAGLE
-    format, flat mask, DDTreeVerifyInput, prepare_for_verify, verify with the KV commit."""
-    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
-    dev, (bs, L, V), D = batch.device, logits.shape, budget + 1
-    bufs = tree_buffers(bs_max or bs + 2, budget, dev)
-    tree = calls.build(draft_logits=logits, tree_budget=budget, device=dev, **bufs)
-    node_token_ids, node_depths, parents, child_maps, visibility, sizes = tree
-    ids = torch.zeros(bs, D, dtype=torch.long, device=dev)
-    ids[:, 0] = verified
-    ids[:, 1:] = node_token_ids
-    pos = torch.zeros(bs, D, dtype=torch.long, device=dev)
-    pos[:, 0] = batch.seq_lens
-    pos[:, 1:] = batch.seq_lens.unsqueeze(1) + node_depths
-    retrieve = calls.eagle_format(parents=parents, actual_tree_sizes=sizes, draft_token_num=D, device=dev)
-    worker = object.__new__(pr.worker.DDTreeWorker)  # the method reads only max_tree_nodes
-    worker.max_tree_nodes = D
-    mask = calls.flat_mask(worker, batch=batch, visibility=visibility, actual_tree_sizes=sizes)
-    spine = all(all(len(c) <= 1 for c in cm.values()) for cm in child_maps)
-    vi = pr.info.DDTreeVerifyInput(
-        draft_token=ids.reshape(-1), positions=pos.reshape(-1), draft_token_num=D, tree_budget=budget,
-        child_maps=child_maps, actual_tree_sizes=sizes, custom_mask=mask, tree_is_spine=spine, topk=2,
-        spec_steps=budget, retrive_index=retrieve[0], retrive_next_token=retrieve[1], retrive_next_sibling=retrieve[2])
-    vi.prepare_for_verify(batch, 1)
-    batch.forward_mode = ForwardMode.TARGET_VERIFY
-    out = None
-    if target is not None:
-        next_token_logits = torch.nn.functional.one_hot(target.reshape(-1), V).float().to(dev) * 10
-        lo = LogitsProcessorOutput(next_token_logits=next_token_logits, hidden_states=hidden)
-        out = calls.verify(vi, batch=batch, logits_output=lo, page_size=1, model_runner=object())  # only tested for None
-    return _types.SimpleNamespace(tree=tree, bufs=bufs, retrieve=retrieve, mask=mask, spine=spine, vi=vi, out=out, batch=batch)
-
-
-def same(a, b, what):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, what
-        assert a.device == b.device and torch.equal(a, b), what
-    elif isinstance(a, (list, tuple, sglang_hook.LazyChildMaps)) or isinstance(b, (list, tuple, sglang_hook.LazyChildMaps)):
-        assert list(a) == list(b), what
-    else:
-        assert a == b, what
-
-
-def assert_same_round(ours, theirs):
-    for name, a, b in zip(("node_token_ids", "node_depths", "parents", "child_maps", "visibility", "sizes"),
-                          ours.tree, theirs.tree):
-        same(a, b, name)
-    for name, a, b in zip(("retrive_index", "retrive_next_token", "retrive_next_sibling"), ours.retrieve, theirs.retrieve):
-        same(a, b, name)
-    same(ours.mask, theirs.mask, "custom_mask")
-    assert ours.spine == theirs.spine
-    if theirs.out is None:
-        return
-    for name, a, b in zip(("next_tokens", "commit_lens", "next_target_hidden", "num_correct_drafts"), ours.out, theirs.out):
-        same(a, b, name)
-    for name in ("accepted_indices", "accept_index_flat", "accept_length_per_req", "next_tokens", "accepted_tokens"):
-        same(getattr(ours.vi, name), getattr(theirs.vi, name), name)
-    a, b = ours.batch, theirs.batch
-    for name in ("seq_lens", "seq_lens_cpu", "seq_lens_sum", "out_cache_loc", "input_ids"):
-        same(getattr(a, name), getattr(b, name), name)
-    same(a.req_to_token_pool.req_to_token, b.req_to_token_pool.req_to_token, "req_to_token")
-    for name in ("free_pages", "release_pages"):
-        same(getattr(a.token_to_kv_pool_allocator, name), getattr(b.token_to_kv_pool_allocator, name), f"allocator.{name}")
-    assert [r.kv_allocated_len for r in a.reqs] == [r.kv_allocated_len for r in b.reqs]
 
 
 # (bs, L, V, budget, kind): full trees up to 512 nodes, B == L (the PR's chain shortcut), B < L.
@@ -2400,11 +2136,11 @@ def test_ddtree_round_through_hook_matches_pr(pr, ddtree_hook, device, bs, L, V,
     verified = torch.randint(0, V, (bs,), generator=g).to(device)
     prefix = torch.randint(0, 40, (bs,), generator=g).tolist()
     theirs_batch, ours_batch = ddtree_batch(device, prefix, budget + 1, V), ddtree_batch(device, prefix, budget + 1, V)
-    probe = ddtree_round(pr, pr_calls(pr), ddtree_batch(device, prefix, budget + 1, V), logits, verified, budget, None, None)
+    probe = ddtree_round(pr, pr.calls, ddtree_batch(device, prefix, budget + 1, V), logits, verified, budget, None, None)
     target = ddtree_targets(probe.tree[2], probe.tree[0], V, g)
     hidden = torch.randn(bs * (budget + 1), 12, generator=g).to(device)
-    theirs = ddtree_round(pr, pr_calls(pr), theirs_batch, logits, verified, budget, target, hidden)
-    ours = ddtree_round(pr, hooked_calls(pr), ours_batch, logits, verified, budget, target, hidden)
+    theirs = ddtree_round(pr, pr.calls, theirs_batch, logits, verified, budget, greedy_logits(target, V), hidden)
+    ours = ddtree_round(pr, pr.hooked, ours_batch, logits, verified, budget, greedy_logits(target, V), hidden)
     assert_same_round(ours, theirs)
     assert ours.tree[0].data_ptr() == ours.bufs["_out_node_token_ids"].data_ptr()  # views of the worker's buffers
     assert ours.tree[4].data_ptr() == ours.bufs["_out_visibility"].data_ptr()
@@ -2435,7 +2171,7 @@ def test_ddtree_build_matches_pr_many(pr, ddtree_hook, monkeypatch, device):
         logits = ddtree_logits(bs, L, V, kind, g).to(device)
         bufs = [tree_buffers(bs + 1, budget, device), tree_buffers(max(bs - 1, 0), budget, device), {}][i % 3]
         bufs2 = {k: v.clone() for k, v in bufs.items()}
-        theirs = pr.build(logits, budget, torch.device(device), **bufs)
+        theirs = pr.calls.build(logits, budget, torch.device(device), **bufs)
         ours = pr.utils.build_ddtree_tree(logits, budget, torch.device(device), **bufs2)
         for name, a, b in zip(("tokens", "depths", "parents", "child_maps", "visibility", "sizes"), ours, theirs):
             same(a, b, (i, bs, L, V, budget, kind, name))
@@ -2462,7 +2198,7 @@ def test_ddtree_spine_mode_mask_and_verify_match_pr(pr, ddtree_hook, caplog, dev
     target[2, 0] = (target[2, 0] + 1) % V  # request 2 rejects the first
     hidden = torch.randn(bs * D, 6, generator=g).to(device)
     results = []
-    for calls in (pr_calls(pr), hooked_calls(pr)):
+    for calls in (pr.calls, pr.hooked):
         batch = ddtree_batch(device, prefix, D, V)
         node = torch.arange(D, device=device)  # DDTreeWorker's chain LCRS, visibility and sizes
         retrieve = (torch.arange(bs, device=device)[:, None] * D + node,
@@ -2498,11 +2234,11 @@ def test_ddtree_validate_returns_pr_result_and_counts_mismatches(pr, ddtree_hook
     g = torch.Generator().manual_seed(11)
     logits, verified = ddtree_logits(bs, L, V, "ties", g), torch.randint(0, V, (bs,), generator=g)
     prefix = [4, 9, 1]
-    probe = ddtree_round(pr, pr_calls(pr), ddtree_batch("cpu", prefix, budget + 1, V), logits, verified, budget, None, None)
+    probe = ddtree_round(pr, pr.calls, ddtree_batch("cpu", prefix, budget + 1, V), logits, verified, budget, None, None)
     target = ddtree_targets(probe.tree[2], probe.tree[0], V, g)
     hidden = torch.randn(bs * (budget + 1), 4, generator=g)
-    theirs = ddtree_round(pr, pr_calls(pr), ddtree_batch("cpu", prefix, budget + 1, V), logits, verified, budget, target, hidden)
-    ours = ddtree_round(pr, hooked_calls(pr), ddtree_batch("cpu", prefix, budget + 1, V), logits, verified, budget, target, hidden)
+    theirs = ddtree_round(pr, pr.calls, ddtree_batch("cpu", prefix, budget + 1, V), logits, verified, budget, greedy_logits(target, V), hidden)
+    ours = ddtree_round(pr, pr.hooked, ddtree_batch("cpu", prefix, budget + 1, V), logits, verified, budget, greedy_logits(target, V), hidden)
     assert_same_round(ours, theirs)
     assert isinstance(ours.tree[3], list)  # the PR's own result came back
     assert counters.compared == counters.sglang == dict.fromkeys(sglang_hook.DDTREE_CALLS, 1)
@@ -2511,8 +2247,8 @@ def test_ddtree_validate_returns_pr_result_and_counts_mismatches(pr, ddtree_hook
     real = kdtree_ops.accept_retrieve
     monkeypatch.setattr(kdtree_ops, "accept_retrieve", lambda *a: real(*a)._replace(bonus=real(*a).bonus + 1))
     with caplog.at_level(_logging.WARNING, logger="kdtree_ops"):
-        again = ddtree_round(pr, hooked_calls(pr), ddtree_batch("cpu", prefix, budget + 1, V), logits, verified, budget,
-                             target, hidden)
+        again = ddtree_round(pr, pr.hooked, ddtree_batch("cpu", prefix, budget + 1, V), logits, verified, budget,
+                             greedy_logits(target, V), hidden)
     assert counters.mismatches["verify"] == 1 and "verify differs" in caplog.text and "next_tokens" in caplog.text
     assert_same_round(again, theirs)  # still the PR's result
 
@@ -2522,7 +2258,7 @@ def test_ddtree_unsupported_calls_go_to_pr(pr, ddtree_hook, caplog):
     g = torch.Generator().manual_seed(5)
     with caplog.at_level(_logging.WARNING, logger="kdtree_ops"):
         deep = ddtree_logits(2, 32, 30, "random", g)  # L = 32: past the op's depth limit
-        theirs = pr.build(deep, 40, torch.device("cpu"))
+        theirs = pr.calls.build(deep, 40, torch.device("cpu"))
         ours = pr.utils.build_ddtree_tree(deep, 40, torch.device("cpu"))
         for a, b in zip(ours, theirs):
             same(a, b, "fallback build")
@@ -2531,11 +2267,11 @@ def test_ddtree_unsupported_calls_go_to_pr(pr, ddtree_hook, caplog):
 
         bs, L, V, budget = 2, 4, 40, 12
         logits, verified = ddtree_logits(bs, L, V, "random", g), torch.randint(0, V, (bs,), generator=g)
-        hooked = hooked_calls(pr)
+        hooked = pr.hooked
         paged = _types.SimpleNamespace(**{**vars(hooked), "verify": lambda vi, **kw: vi.verify(**{**kw, "page_size": 2})})
         with pytest.raises(AssertionError, match="page_size"):  # the PR's own verify asserts
             ddtree_round(pr, paged, ddtree_batch("cpu", [3, 5], budget + 1, V), logits, verified, budget,
-                         torch.zeros(bs, budget + 1, dtype=torch.long), None)
+                         greedy_logits(torch.zeros(bs, budget + 1, dtype=torch.long), V), None)
         assert counters.sglang["verify"] == 1 and "page size 2" in caplog.text
 
     batch = ddtree_batch("cpu", [3, 5], budget + 1, V)
@@ -2560,20 +2296,20 @@ def test_ddtree_child_maps_are_a_snapshot(pr, ddtree_hook):
     bufs = tree_buffers(4, 20, "cpu")
     ours = pr.utils.build_ddtree_tree(first, 20, torch.device("cpu"), **bufs)
     pr.utils.build_ddtree_tree(second, 20, torch.device("cpu"), **bufs)
-    assert list(ours[3]) == pr.build(first, 20, torch.device("cpu"))[3]
+    assert list(ours[3]) == pr.calls.build(first, 20, torch.device("cpu"))[3]
     assert len(ours[3]) == 2
 
 
 def test_ddtree_install_uninstall_restores(pr, ddtree_hook):
     counters = ddtree_hook("on")
-    assert pr.utils.build_ddtree_tree is not pr.build and pr.worker.build_ddtree_tree is not pr.build
-    assert pr.info.DDTreeVerifyInput.__dict__["verify"] is not pr.verify
+    assert pr.utils.build_ddtree_tree is not pr.calls.build and pr.worker.build_ddtree_tree is not pr.calls.build
+    assert pr.info.DDTreeVerifyInput.__dict__["verify"] is not pr.calls.verify
     assert len(counters.hooked) == 6  # two in ddtree_utils, the worker's two names + its mask method, verify
     sglang_hook.uninstall()
-    assert pr.utils.build_ddtree_tree is pr.build and pr.worker.build_ddtree_tree is pr.build
-    assert pr.utils.build_eagle_tree_format is pr.eagle_format and pr.worker.build_eagle_tree_format is pr.eagle_format
-    assert pr.worker.DDTreeWorker.__dict__["_build_flat_tree_mask"] is pr.flat_mask
-    assert pr.info.DDTreeVerifyInput.__dict__["verify"] is pr.verify
+    assert pr.utils.build_ddtree_tree is pr.calls.build and pr.worker.build_ddtree_tree is pr.calls.build
+    assert pr.utils.build_eagle_tree_format is pr.calls.eagle_format and pr.worker.build_eagle_tree_format is pr.calls.eagle_format
+    assert pr.worker.DDTreeWorker.__dict__["_build_flat_tree_mask"] is pr.calls.flat_mask
+    assert pr.info.DDTreeVerifyInput.__dict__["verify"] is pr.calls.verify
 
 
 def test_ddtree_absent_patches_nothing(pr, monkeypatch):
@@ -2601,7 +2337,7 @@ def test_ddtree_absent_patches_nothing(pr, monkeypatch):
                        for owner, _, _ in sglang_hook._STATE.patched)
     finally:
         sglang_hook.uninstall()
-    assert pr.utils.build_ddtree_tree is pr.build and pr.info.DDTreeVerifyInput.__dict__["verify"] is pr.verify
+    assert pr.utils.build_ddtree_tree is pr.calls.build and pr.info.DDTreeVerifyInput.__dict__["verify"] is pr.calls.verify
 
 
 # ---- the DDTree ops (sglang_build_tree, accept_retrieve, flat mask with num_nodes) ----
@@ -2796,11 +2532,11 @@ def test_ddtree_ops_cuda_graph():
 
 
 def test_main_runs_a_checked_round_on_cpu(capsys):
-    """`python -m kdtree_ops` at tiny sizes: the self-check and every stage of the DDTree round
+    """`python bench_ops.py` (the main job) at tiny sizes: the self-check and every stage of the DDTree round
     run, are checked and show up in the stage table."""
     sizes = {"batch": 3, "context": 40, "budget": 12, "heads": 2, "layers": 2, "depth": 5, "vocab": 300}
     argv = ["--device", "cpu"] + [a for k, v in sizes.items() for a in (f"--{k}", str(v))]
-    assert kdtree_ops.main(argv) == 0
+    assert bench_ops.main(argv) == 0
     table = capsys.readouterr().out.split("SGLang path ms")[1]
     for stage in ("draft_topk", "build_tree", "verify_metadata", "kv_write", "verify_attn", "accept_walk",
                   "commit_accept", "defragment"):
