@@ -882,7 +882,7 @@ def _synthetic_targets(tree: Tree, vocab: int, g: torch.Generator) -> tuple[torc
 
 
 def _round(cfg: dict, device: str, check: bool) -> int:
-    """One DDTree verify round (DESIGN.md §4) on a synthetic MLA layer stack: prints a line per
+    """One DDTree verify round (Ringel & Romano 2026, arXiv 2604.12989) on a synthetic MLA layer stack: prints a line per
     stage as it starts, then the stage table. Returns the number of failed checks."""
 
     B, ctx, budget, H, layers, L, V = (cfg[k] for k in ("batch", "context", "budget", "heads", "layers", "depth", "vocab"))

@@ -869,7 +869,8 @@ def sglang_mask_to_packed(
     return torch.ops.kdtree.sglang_mask_to_packed(custom_mask, mask_indptr, qo_indptr, kv_indptr, num_rows, max_nodes)
 
 # ---- tree ops ----
-# DDTree (DESIGN.md §4): draft top-k, best-first tree build, verify metadata, accept walk.
+# DDTree (Ringel & Romano 2026, arXiv 2604.12989): draft top-k, best-first tree build (the top-budget
+# prefixes of the drafter's per-position top-K), verify metadata, accept walk.
 
 MAX_TREE_BUDGET = 1024  # nodes per tree besides the root; N = budget + 1 <= 1025
 MAX_TREE_DEPTH = 31  # draft positions L
@@ -1278,7 +1279,7 @@ def _accept_walk_fake(parents, tokens, target_tokens, max_depth):
 def accept_walk(
     tree: Tree, target_tokens: torch.Tensor, max_depth: Optional[int] = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Walk each tree along the target's tokens (DESIGN.md §4; lossless at any temperature).
+    """Walk each tree along the target's tokens (DDTree's verify walk; lossless at any temperature).
 
     From the root with ``next = target_tokens[b, 0]``: while some child of the current node
     carries ``next``, move to it (the lowest-index such child when several do) and set

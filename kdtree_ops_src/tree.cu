@@ -1,4 +1,4 @@
-// DDTree on the GPU (DESIGN.md §4): best-first tree build, verify metadata (positions, EAGLE
+// DDTree on the GPU (Ringel & Romano 2026, arXiv 2604.12989): best-first tree build, verify metadata (positions, EAGLE
 // retrieve arrays, SGLang's flat custom mask) and the accept walk. One CTA per request; no
 // allocation depends on device data, so every launch is capturable in a CUDA graph.
 #include "common.cuh"
