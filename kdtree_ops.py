@@ -1,22 +1,33 @@
 """kdtree_ops: fast tree-verify ops for MLA models, as PyTorch custom ops.
 
-Every op is declared once here under ``torch.ops.kdtree``, with a pure-torch CPU reference
-(the semantic truth), a fake impl (for ``torch.compile`` and meta tracing) and a CUDA impl
-compiled from ``kdtree_ops_src/`` on first import on a machine with a CUDA GPU.
+This module is the build, the op registry and the typed Python API, nothing else. Every op is
+declared once here under ``torch.ops.kdtree`` with its schema, a pure-torch CPU reference (the
+semantic truth), a fake impl (``torch.compile``, meta tracing) and a wrapper; its CUDA impl is
+the ``TORCH_LIBRARY_IMPL(kdtree, CUDA)`` of one file in ``kdtree_ops_src/``, compiled on first
+CUDA use (:func:`load`):
 
-Environment variables
----------------------
-KDTREE_CACHE_DIR   where built libraries live (default ``~/.cache/kdtree_ops``).
-KDTREE_CUDA_ARCH   compute capabilities to build for, e.g. ``9.0`` or ``9.0;12.0``
-                   (default: the current GPU's).
-KDTREE_NO_BUILD=1  never build or load the CUDA kernels; the CPU references still work.
-KDTREE_CHECK=1     validate index ranges and mask shapes on the device before each launch
-                   (syncs the host; not for CUDA-graph capture).
-KDTREE_VERBOSE=1   show the compiler's output while building.
-KDTREE_VERIFY_WGMMA=0  on sm_90 (H100/H200), run verify attention on the portable mma.sync
-                   kernel instead of a Hopper one (read at every call).
-KDTREE_VERIFY_SEESAW=0  on sm_90, run verify attention on the first wgmma kernel instead of
-                   the seesaw one (read at every call).
+=====================================  =========================================================
+op (wrapper)                           CUDA impl
+=====================================  =========================================================
+merge_state, merge_state_              merge_state.cu
+verify_attn, verify_attn_out           verify_attn.cu (portable mma.sync kernel, the host
+                                       dispatch and the split merge); on sm_90
+                                       verify_attn_sm90.cu and verify_attn_sm90_seesaw.cu
+pack_tree_mask, sglang_mask_to_packed  mask.cu
+build_tree                             build_tree.cu (+ build_tree_replay.cuh,
+                                       build_tree_levels.cuh)
+verify_metadata                        verify_metadata.cu
+flat_custom_mask                       flat_custom_mask.cu
+accept_walk                            accept_walk.cu
+sglang_build_tree_, accept_retrieve    ddtree_sglang.cu
+move_kv                                move_kv.cu
+draft_topk                             (torch ops only)
+=====================================  =========================================================
+
+Environment variables: README.md's table (one parser, :func:`env_flag` / :func:`env_number`,
+mirrored by ``env_flag`` in ``kdtree_ops_src/common.cuh``). ``import kdtree_ops`` imports no
+other module of this project; with ``KDTREE_VERIFY`` set it installs the SGLang hook
+(``sglang_hook``), which patches SGLang only when SGLang itself is imported.
 """
 
 from __future__ import annotations
@@ -41,6 +52,17 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
+
+__all__ = [
+    "MLA_QK_DIM", "MLA_V_DIM", "MAX_TREE_BUDGET", "MAX_TREE_DEPTH",
+    "build", "load", "cuda_available", "cache_root", "env_flag", "env_number", "check_mode",
+    "merge_state", "merge_state_",
+    "verify_attn", "verify_attn_reference", "pack_tree_mask", "sglang_mask_to_packed",
+    "pack_bits", "unpack_bits", "ancestor_mask",
+    "Tree", "draft_topk", "build_tree", "VerifyMetadata", "verify_metadata", "flat_custom_mask", "flat_mask_size",
+    "accept_walk", "SGLangTree", "sglang_build_tree", "RetrieveAccept", "accept_retrieve",
+    "move_kv",
+]
 
 SRC_DIR = Path(__file__).resolve().with_name("kdtree_ops_src")
 log = logging.getLogger("kdtree_ops")

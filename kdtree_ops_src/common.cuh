@@ -11,7 +11,10 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cctype>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 
 namespace kdtree {
 
@@ -72,6 +75,63 @@ struct IndexView {
   }
 };
 inline IndexView index_view(const at::Tensor& t) { return {t.data_ptr(), t.scalar_type() == at::kLong}; }
+
+// The tree ops' shared limits: a full warp's mask, and nodes per tree besides the root.
+constexpr unsigned kFull = 0xFFFFFFFFu;
+constexpr int kMaxBudget = 1024;
+
+inline void check_contiguous(const at::Tensor& t, const char* name) {
+  KD_CHECK(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides());
+}
+
+// A [B, N] tree tensor (depths, parents, tokens) shaped like `like`.
+inline void check_tree_arg(const at::Tensor& t, const char* name, const at::Tensor& like,
+                           at::ScalarType dtype) {
+  check_cuda(t, name, like);
+  check_dim(t, name, 2);
+  check_dtype(t, name, dtype);
+  check_contiguous(t, name);
+  KD_CHECK(t.sizes() == like.sizes(), name, " must have shape ", like.sizes(), ", got ",
+           t.sizes());
+}
+
+inline void check_prefix_lens(const at::Tensor& prefix_lens, const at::Tensor& like, int64_t B) {
+  check_cuda(prefix_lens, "prefix_lens", like);
+  check_dim(prefix_lens, "prefix_lens", 1);
+  check_index(prefix_lens, "prefix_lens");
+  check_contiguous(prefix_lens, "prefix_lens");
+  KD_CHECK(prefix_lens.size(0) == B, "prefix_lens must have shape [", B, "], got ",
+           prefix_lens.sizes());
+}
+
+// Calls f with an int32_t or int64_t value for an index tensor's dtype (checked by the caller):
+// the one way the ops dispatch on index width.
+template <typename F> void dispatch_index(at::ScalarType dtype, F&& f) {
+  if (dtype == at::kInt) f(int32_t{});
+  else f(int64_t{});
+}
+
+inline int max_smem_optin(const at::Tensor& on) {
+  int v = 0;
+  C10_CUDA_CHECK(
+      cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, on.get_device()));
+  return v;
+}
+
+// A KDTREE_* switch read exactly as kdtree_ops.env_flag reads it: 1/true/yes/on or
+// 0/false/no/off in any case, surrounding blanks ignored; unset or anything else is `fallback`
+// (Python also warns about the latter).
+inline bool env_flag(const char* name, bool fallback) {
+  const char* raw = std::getenv(name);
+  if (raw == nullptr) return fallback;
+  std::string v(raw);
+  const auto first = v.find_first_not_of(" \t\n\r"), last = v.find_last_not_of(" \t\n\r");
+  v = first == std::string::npos ? "" : v.substr(first, last - first + 1);
+  for (char& c : v) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (v == "1" || v == "true" || v == "yes" || v == "on") return true;
+  if (v.empty() || v == "0" || v == "false" || v == "no" || v == "off") return false;
+  return fallback;
+}
 
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 

@@ -9,8 +9,6 @@
 namespace kdtree {
 namespace {
 
-constexpr unsigned kFull = 0xFFFFFFFFu;
-constexpr int kMaxBudget = 1024;
 constexpr int kMaxDepth = 31;
 constexpr int kThreads = 256;
 constexpr uint64_t kEmpty = ~uint64_t{0};  // the key of no candidate
@@ -418,23 +416,12 @@ __global__ void commit_order_kernel(const int32_t* __restrict__ accepted,
 
 // ---- host ------------------------------------------------------------------------------------
 
-void check_contiguous(const at::Tensor& t, const char* name) {
-  KD_CHECK(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides());
-}
-
 void check_out(const at::Tensor& t, const char* name, const at::Tensor& like,
                at::IntArrayRef shape, at::ScalarType dtype) {
   check_cuda(t, name, like);
   check_dtype(t, name, dtype);
   KD_CHECK(t.sizes() == shape, name, " must have shape ", shape, ", got ", t.sizes());
   check_contiguous(t, name);
-}
-
-int max_smem_optin(const at::Tensor& on) {
-  int v = 0;
-  C10_CUDA_CHECK(
-      cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, on.get_device()));
-  return v;
 }
 
 void sglang_build_tree(const at::Tensor& topk_logprobs, const at::Tensor& topk_tokens,

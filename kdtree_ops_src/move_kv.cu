@@ -5,11 +5,8 @@
 // and halves the traffic. Pairs with a negative slot are padding and skipped.
 #include "common.cuh"
 
-#include <ATen/Dispatch.h>
 
 #include <algorithm>
-#include <cctype>
-#include <cstdlib>
 #include <string>
 #include <utility>
 #include <vector>
@@ -90,13 +87,7 @@ __global__ void find_overlap_kernel(const I* src, const I* dst, int64_t pairs, i
   if (marks[s / 32] & (1u << (s % 32))) atomicMin(&bad[kOverlap], static_cast<unsigned long long>(i));
 }
 
-bool check_mode() {
-  const char* v = std::getenv("KDTREE_CHECK");
-  if (v == nullptr) return false;
-  std::string s(v);
-  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return s == "1" || s == "true" || s == "yes" || s == "on";
-}
+bool check_mode() { return env_flag("KDTREE_CHECK", false); }
 
 // Synchronises the host: only in check mode.
 template <typename I>
@@ -241,7 +232,8 @@ void move_kv(at::TensorList kv_layers, const at::Tensor& src_slots, const at::Te
   if (pairs == 0) return;
   const c10::cuda::CUDAGuard guard(src.device());
 
-  AT_DISPATCH_INDEX_TYPES(src.scalar_type(), "move_kv", [&] {
+  dispatch_index(src.scalar_type(), [&](auto tag) {
+    using index_t = decltype(tag);
     if (check_mode()) validate_slots<index_t>(src, dst, slots, disjoint);
     if (row_bytes == 0 || slots == 0) return;
     const int64_t layers = static_cast<int64_t>(layers_once.size());

@@ -20,8 +20,6 @@
 #include "verify_attn.cuh"
 
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 
 namespace kdtree {
 namespace {
@@ -495,19 +493,14 @@ bool sm90_ready() {
   return built;
 }
 
-bool env_off(const char* name) {
-  const char* env = std::getenv(name);
-  return env && std::strcmp(env, "0") == 0;
-}
-
 }  // namespace
 
 VerifyKernel pick_verify_kernel(double sm_scale) {
-  if (env_off("KDTREE_VERIFY_WGMMA") || !sm90_ready()) return VerifyKernel::kPortable;
+  if (!env_flag("KDTREE_VERIFY_WGMMA", true) || !sm90_ready()) return VerifyKernel::kPortable;
   // The seesaw kernel scales row maxima instead of every score: that needs a positive,
   // finite scale in the float the kernel gets.
   const float scale_log2 = static_cast<float>(sm_scale * 1.4426950408889634);
-  if (env_off("KDTREE_VERIFY_SEESAW") || !(scale_log2 > 0.f) || !std::isfinite(scale_log2)) return VerifyKernel::kWgmma;
+  if (!env_flag("KDTREE_VERIFY_SEESAW", true) || !(scale_log2 > 0.f) || !std::isfinite(scale_log2)) return VerifyKernel::kWgmma;
   return VerifyKernel::kSeesaw;
 }
 
