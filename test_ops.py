@@ -556,7 +556,7 @@ def mask_inputs(device):
     case = make_verify_case([5, 0, 70], [9, 33, 1], 1, device="cpu")
     flat, indptr = sglang_flat_mask(case)
     args = [flat.to(device), indptr.to(device), case["qo_indptr"].to(device), case["kv_indptr"].to(device)]
-    return args, case["visible"].to(device), kdtree_ops.pack_bits(case["visible"], 2).to(device)
+    return args, case["visible"].to(device), kdtree_ops.pack_bits(case["visible"], 2)
 
 
 @needs_gpu
