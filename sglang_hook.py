@@ -2,12 +2,15 @@
 
 SGLang (0.5.23) sends every TARGET_VERIFY forward of an MLA model through
 ``TritonAttnBackend.forward_extend``, whose Triton kernel re-streams the whole prefix once per
-head. :func:`install` wraps that method: verify calls it can serve (MLA 576/512 with one KV
-head, page size 1, KV stored in q's dtype, causal attention without sliding window, logit cap,
-sinks or score_mod; a tree custom mask or none) save KV exactly as SGLang does and then run
-:func:`kdtree_ops.verify_attn` into SGLang's own output buffer. Every other call, and any call
-our path cannot serve or that raises, goes to SGLang's method unchanged; each reason is logged
-once (logger ``"kdtree_ops"``).
+head. :func:`install` wraps that method: the target model's MLA verify calls it can serve
+(576/512 with one KV head, page size 1, a bf16/fp16 pool in q's dtype with no KV scale or a
+scale of 1.0, causal attention without sliding window, logit cap, sinks or score_mod; a tree
+custom mask or none; int32 or int64 index tensors, eager or from the CUDA-graph buffers) save
+KV exactly as SGLang does and then run :func:`kdtree_ops.verify_attn` into SGLang's own output
+buffer. Other target calls, and any call that raises, go to SGLang's method unchanged, each
+reason logged once (logger ``"kdtree_ops"``); other models' calls (a DFlash draft, a dense
+model) go there silently and uncounted. The kernels load when SGLang builds a rank's backend,
+after it has chosen the rank's GPU.
 
 Environment
 -----------
