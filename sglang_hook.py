@@ -334,6 +334,15 @@ def _when_imported(name: str, fn: Callable) -> None:
     _FINDER.callbacks.setdefault(name, []).append(fn)
 
 
+def _wrapper_of(wrapper, original):
+    """Mark ``wrapper`` as this hook's stand-in for SGLang's ``original``: ``_kdtree_original``
+    tells our wrappers from anyone else's (``__wrapped__`` alone would not), and uninstall,
+    re-patching and tests read it."""
+    wrapper.__wrapped__ = wrapper._kdtree_original = original
+    wrapper.__doc__ = original.__doc__
+    return wrapper
+
+
 def _patch(owner, attr: str, new) -> None:
     _STATE.patched.append((owner, attr, owner.__dict__[attr]))
     setattr(owner, attr, new)
@@ -554,9 +563,7 @@ def _make_forward_extend(tb, original):
             st.fallbacks += 1
             return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
 
-    forward_extend.__wrapped__ = original
-    forward_extend.__doc__ = original.__doc__
-    return forward_extend
+    return _wrapper_of(forward_extend, original)
 
 
 def _make_metadata_hook(original, in_capture_arg: bool):
@@ -581,8 +588,7 @@ def _make_metadata_hook(original, in_capture_arg: bool):
         finally:
             local.depth -= 1
 
-    hooked.__wrapped__ = original
-    return hooked
+    return _wrapper_of(hooked, original)
 
 
 def _on_verify_step(backend, fb, in_capture: bool, replay: bool) -> None:
@@ -636,8 +642,7 @@ def _make_init_hook(original):
         except Exception as e:
             logger.warning("kdtree_ops: backend setup failed (%s: %s); continuing", type(e).__name__, e)
 
-    init.__wrapped__ = original
-    return init
+    return _wrapper_of(init, original)
 
 
 def _patch_triton_backend(tb) -> None:
@@ -666,8 +671,7 @@ def _timed(original, phase: str):
         with st.profiler.phase(phase, dev):
             return original(*args, **kwargs)
 
-    timed.__wrapped__ = original
-    return timed
+    return _wrapper_of(timed, original)
 
 
 def _patch_profile_point(cls_name: Optional[str], attr: str, phase: str):
@@ -841,10 +845,7 @@ def _pure_wrapper(name: str, original, prepare, fields):
         st.ddtree.ours[name] += 1
         return result
 
-    wrapper.__wrapped__ = original
-    wrapper._kdtree_original = original
-    wrapper.__doc__ = original.__doc__
-    return wrapper
+    return _wrapper_of(wrapper, original)
 
 
 def _prepare_build_tree(original):
@@ -1131,10 +1132,7 @@ def _wrap_verify(original):
         st.ddtree.ours[name] += 1
         return result
 
-    verify.__wrapped__ = original
-    verify._kdtree_original = original
-    verify.__doc__ = original.__doc__
-    return verify
+    return _wrapper_of(verify, original)
 
 
 def _patch_name(owner, attr: str, make) -> None:
