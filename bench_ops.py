@@ -700,12 +700,7 @@ def _selfcheck_cases(device: str):
     B, N, P, S = 4, 9, 4099, 40000
     slots = torch.randperm(S, generator=g)[: B * P].to(device)
     parents = [[-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, N)] for _ in range(B)]
-    vis = torch.zeros(B * N, N, dtype=torch.bool)
-    for b, par in enumerate(parents):
-        for i, p in enumerate(par):
-            if p >= 0:
-                vis[b * N + i] = vis[b * N + p]
-            vis[b * N + i, i] = True
+    vis = torch.cat([kdtree_ops.ancestor_mask(par) for par in parents])
     attn = [rnd(B * N, H, 576), rnd(S, 576), torch.arange(0, (B + 1) * P, P, dtype=torch.int32, device=device), slots.int(),
             torch.arange(0, (B + 1) * N, N, dtype=torch.int32, device=device), rnd(B * N, 576)]
     scale = 1 / math.sqrt(192)

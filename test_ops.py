@@ -531,10 +531,15 @@ def test_verify_attn_compile(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_sglang_mask_to_packed(device):
+@pytest.mark.parametrize("widths", ["64/32/32", "32/64/32", "64/64/64"])  # mask_indptr/qo_indptr/kv_indptr bits
+def test_sglang_mask_to_packed(device, widths):
+    """Any mix of int32 and int64 indptrs, as SGLang hands them (its CUDA-graph buffers: int64
+    qo_indptr and mask_indptr beside an int32 kv_indptr)."""
     case = make_verify_case([5, 0, 70], [9, 33, 1], 1, device="cpu")
     flat, indptr = sglang_flat_mask(case)
-    args = [flat.to(device), indptr.to(device), case["qo_indptr"].to(device), case["kv_indptr"].to(device)]
+    dt = [torch.int64 if w == "64" else torch.int32 for w in widths.split("/")]
+    args = [flat.to(device), indptr.to(device, dt[0]), case["qo_indptr"].to(device, dt[1]),
+            case["kv_indptr"].to(device, dt[2])]
     exact = kdtree_ops.pack_bits(case["visible"], 2)  # the case's own mask has garbage past each request's nodes
     packed = kdtree_ops.sglang_mask_to_packed(*args, num_rows=43, max_nodes=33)
     assert torch.equal(packed.cpu(), exact)
