@@ -505,11 +505,9 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
     p.kv_stride = kv_cache.stride(0);
     p.tree_k = static_cast<const T_*>(tree_k.data_ptr());
     p.tk_stride = tree_k.stride(0);
-    p.kv_indptr = kv_indptr.data_ptr();
-    p.kv_indptr64 = kv_indptr.scalar_type() == at::kLong;
+    p.kv_indptr = index_view(kv_indptr);
     p.kv_indices = kv_indices.data_ptr();
-    p.qo_indptr = qo_indptr.data_ptr();
-    p.qo_indptr64 = qo_indptr.scalar_type() == at::kLong;
+    p.qo_indptr = index_view(qo_indptr);
     p.mask = tree_mask ? tree_mask->data_ptr<int32_t>() : nullptr;
     p.mask_stride = tree_mask ? tree_mask->stride(0) : 0;
     p.mask_words = tree_mask ? static_cast<int>(tree_mask->size(1)) : 0;

@@ -23,11 +23,11 @@ template <typename T> struct VerifyParams {
   const T* tree_k;
   int64_t tk_stride;
   // int32 or int64 each, independently (SGLang's graph buffers pass an int64 qo_indptr beside
-  // an int32 kv_indptr): read only through load_indptr, so no call converts them.
-  const void* kv_indptr;
+  // an int32 kv_indptr), read in place: no call converts them. Values fit int (the host checks
+  // the row and key counts).
+  IndexView kv_indptr;
   const void* kv_indices;
-  const void* qo_indptr;
-  bool kv_indptr64, qo_indptr64;
+  IndexView qo_indptr;
   const int32_t* mask;  // null: causal chain
   int64_t mask_stride;
   int mask_words;
@@ -72,11 +72,6 @@ template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float 
   return r;
 }
 
-// Entry i of an int32 or int64 indptr; values fit int (the host checks the index counts).
-__device__ __forceinline__ int load_indptr(const void* indptr, bool is64, int i) {
-  return is64 ? static_cast<int>(static_cast<const int64_t*>(indptr)[i]) : static_cast<const int32_t*>(indptr)[i];
-}
-
 // Called by one full warp: the request and first row of row tile `tile`, scanning the
 // requests' tile counts 32 at a time (req = -1: the tile is past the work).
 template <typename T>
@@ -87,7 +82,7 @@ __device__ __forceinline__ void find_row_tile(const VerifyParams<T>& p, int tile
   for (int b0 = 0; b0 < p.batch && base <= tile; b0 += 32) {
     const int b = b0 + lane;
     int n = 0;
-    if (b < p.batch) n = (load_indptr(p.qo_indptr, p.qo_indptr64, b + 1) - load_indptr(p.qo_indptr, p.qo_indptr64, b)) * p.heads;
+    if (b < p.batch) n = (static_cast<int>(p.qo_indptr[b + 1]) - static_cast<int>(p.qo_indptr[b])) * p.heads;
     const int cnt = (n + kRows - 1) / kRows;
     const int incl = warp_inclusive_scan(cnt);
     const int excl = base + incl - cnt;
@@ -110,11 +105,11 @@ struct CtaSpan {
 template <typename T>
 __device__ __forceinline__ CtaSpan cta_span(const VerifyParams<T>& p, int b, int split) {
   CtaSpan c;
-  c.q_begin = load_indptr(p.qo_indptr, p.qo_indptr64, b);
-  c.nodes = load_indptr(p.qo_indptr, p.qo_indptr64, b + 1) - c.q_begin;
+  c.q_begin = static_cast<int>(p.qo_indptr[b]);
+  c.nodes = static_cast<int>(p.qo_indptr[b + 1]) - c.q_begin;
   c.rows_b = c.nodes * p.heads;
-  c.kv_begin = load_indptr(p.kv_indptr, p.kv_indptr64, b);
-  const int prefix = load_indptr(p.kv_indptr, p.kv_indptr64, b + 1) - c.kv_begin;
+  c.kv_begin = static_cast<int>(p.kv_indptr[b]);
+  const int prefix = static_cast<int>(p.kv_indptr[b + 1]) - c.kv_begin;
   const int chunk = ((prefix + p.splits - 1) / p.splits + kKeys - 1) / kKeys * kKeys;
   c.pre_begin = min(prefix, split * chunk);
   c.pre_end = min(prefix, c.pre_begin + chunk);

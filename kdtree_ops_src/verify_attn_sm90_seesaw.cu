@@ -203,11 +203,11 @@ struct SeesawSpan {
 template <typename T>
 __device__ __forceinline__ SeesawSpan seesaw_span(const VerifyParams<T>& p, int b, int split) {
   SeesawSpan c;
-  c.q_begin = load_indptr(p.qo_indptr, p.qo_indptr64, b);
-  const int nodes = load_indptr(p.qo_indptr, p.qo_indptr64, b + 1) - c.q_begin;
+  c.q_begin = static_cast<int>(p.qo_indptr[b]);
+  const int nodes = static_cast<int>(p.qo_indptr[b + 1]) - c.q_begin;
   c.rows_b = nodes * p.heads;
-  c.kv_begin = load_indptr(p.kv_indptr, p.kv_indptr64, b);
-  c.prefix = load_indptr(p.kv_indptr, p.kv_indptr64, b + 1) - c.kv_begin;
+  c.kv_begin = static_cast<int>(p.kv_indptr[b]);
+  c.prefix = static_cast<int>(p.kv_indptr[b + 1]) - c.kv_begin;
   const int64_t total = static_cast<int64_t>(c.prefix) + nodes;
   const int64_t pairs = (total + kPairKeys - 1) / kPairKeys;
   const int64_t chunk = (pairs + p.splits - 1) / p.splits * kPairKeys;
