@@ -47,9 +47,9 @@ __global__ void __launch_bounds__(kBuildThreads, 1) build_tree_kernel(BuildArgs 
     nn = build_levels(g_lp, a.K, a.L, a.keff, a.budget, a.cand_cap, a.slot_cap, st, s_id, s_scan);
     for (int i = threadIdx.x; i < nn; i += blockDim.x) {  // root paths, for the mask below
       uint32_t node = i;
-      for (int k = static_cast<int>(id_depth(s_id[i])); k >= 0; --k) {
+      for (int k = static_cast<int>(NodeId::depth(s_id[i])); k >= 0; --k) {
         s_path[i * lp1 + k] = static_cast<uint16_t>(node);
-        node = id_parent(s_id[node]);
+        node = NodeId::parent(s_id[node]);
       }
     }
   }
@@ -84,9 +84,9 @@ __global__ void __launch_bounds__(kBuildThreads, 1) build_tree_kernel(BuildArgs 
       t = a.root[b];
     } else if (i < nn) {
       const uint32_t u = s_id[i];
-      dep = static_cast<int32_t>(id_depth(u));
-      par = static_cast<int32_t>(id_parent(u));
-      t = static_cast<int64_t>(tok[(static_cast<int64_t>(b) * a.L + dep - 1) * a.K + id_rank(u)]);
+      dep = static_cast<int32_t>(NodeId::depth(u));
+      par = static_cast<int32_t>(NodeId::parent(u));
+      t = static_cast<int64_t>(tok[(static_cast<int64_t>(b) * a.L + dep - 1) * a.K + NodeId::rank(u)]);
     }
     a.tokens[row0 + i] = t;
     a.parents[row0 + i] = par;
@@ -99,7 +99,7 @@ __global__ void __launch_bounds__(kBuildThreads, 1) build_tree_kernel(BuildArgs 
   for (int row = threadIdx.x >> 5; row < N; row += blockDim.x >> 5) {
     uint32_t w0 = 0, w1 = 0;
     if (row < nn) {
-      const int d = static_cast<int>(id_depth(s_id[row]));
+      const int d = static_cast<int>(NodeId::depth(s_id[row]));
       for (int k = 0; k <= d; ++k) {
         const uint32_t anc = s_path[row * lp1 + k];
         const uint32_t bit = 1u << (anc & 31);

@@ -30,12 +30,7 @@ static_assert(kMaxCandidates <= (1 << 19) && kMaxSlots <= (1 << 13), "cand_key's
 constexpr uint16_t kNoSlot = 0xFFFFu;
 constexpr int kParentsPerThread = kMaxBudget / kBuildThreads;
 
-__device__ __forceinline__ uint32_t pack_slot(uint32_t parent, uint32_t rank, uint32_t depth) {
-  return parent | rank << 13 | depth << 23;
-}
-__device__ __forceinline__ uint32_t slot_parent(uint32_t id) { return id & 0x1FFFu; }
-__device__ __forceinline__ uint32_t slot_rank(uint32_t id) { return (id >> 13) & 0x3FFu; }
-__device__ __forceinline__ uint32_t slot_depth(uint32_t id) { return id >> 23; }
+using SlotId = PackedId<13, 10>;
 
 // A candidate's sort key: score key, then ordinal (rank-tuple order within its depth); its
 // parent slot rides in the low bits so the merge's searches need no second lookup.
@@ -193,14 +188,14 @@ struct LevelState {
 __device__ __forceinline__ bool entry_before(const LevelState& st, uint32_t x, uint32_t xk,
                                              uint32_t ck, uint32_t cp, uint32_t dc) {
   if (xk != ck) return xk < ck;
-  const uint32_t dx = slot_depth(st.t_id[x]);
+  const uint32_t dx = SlotId::depth(st.t_id[x]);
   uint32_t a = cp;
-  for (uint32_t da = dc - 1; da > dx; --da) a = slot_parent(st.t_id[a]);
+  for (uint32_t da = dc - 1; da > dx; --da) a = SlotId::parent(st.t_id[a]);
   if (a == x) return true;  // x is a prefix of the candidate
   return st.t_ord[x] < st.t_ord[a];
 }
 
-// Builds the tree a depth at a time into s_id (node ids as pack_id) and returns the node
+// Builds the tree a depth at a time into s_id (node ids as NodeId) and returns the node
 // count, or 0 when a capacity ran out (the caller then replays the heap). Every thread calls it.
 __device__ int build_levels(const float* g_lp, int K, int L, int keff, int budget, int cand_cap,
                             int slot_cap, const LevelState& st, uint32_t* s_id, int* s_scan) {
@@ -214,7 +209,7 @@ __device__ int build_levels(const float* g_lp, int K, int L, int keff, int budge
   bool unsorted = false;
   if (tid == 0) {
     st.t_score[0] = 0.f;
-    st.t_id[0] = pack_slot(0, 0, 0);
+    st.t_id[0] = SlotId::pack(0, 0, 0);
     st.t_ord[0] = 0;
     st.par_slot[0] = 0;
     s_fail = 0;
@@ -320,7 +315,7 @@ __device__ int build_levels(const float* g_lp, int K, int L, int keff, int budge
       const uint32_t ps = st.par_slot[a], r = g - st.par_off[a];
       const float sc = __fadd_rn(st.t_score[ps], lprow[r]);
       st.ckey[g] = cand_key(score_key(sc), g, ps);
-      st.cid[g] = pack_slot(ps, r, d + 1);
+      st.cid[g] = SlotId::pack(ps, r, d + 1);
     }
     if (tid == 0) s_kept = 0;
     __syncthreads();
@@ -402,10 +397,10 @@ __device__ int build_levels(const float* g_lp, int K, int L, int keff, int budge
   if (tid == 0) st.node_of[0] = 0;
   for (int i = tid; i < m; i += nt) st.node_of[sel[i]] = static_cast<uint16_t>(i + 1);
   __syncthreads();
-  if (tid == 0) s_id[0] = pack_id(0, 0, 0);
+  if (tid == 0) s_id[0] = NodeId::pack(0, 0, 0);
   for (int i = tid; i < m; i += nt) {
     const uint32_t u = st.t_id[sel[i]];
-    s_id[i + 1] = pack_id(st.node_of[slot_parent(u)], slot_rank(u), slot_depth(u));
+    s_id[i + 1] = NodeId::pack(st.node_of[SlotId::parent(u)], SlotId::rank(u), SlotId::depth(u));
   }
   __syncthreads();
   return m + 1;

@@ -8,7 +8,6 @@
 namespace kdtree {
 namespace {
 
-constexpr int kMaxDepth = 31;  // a node's root path fits one warp, its depth five bits
 constexpr int kBuildThreads = 512;
 constexpr uint32_t kEmpty = 0xFFFFFFFFu;  // the key of no candidate: it is the key of a NaN only
 
@@ -19,12 +18,7 @@ constexpr uint32_t kEmpty = 0xFFFFFFFFu;  // the key of no candidate: it is the 
 // parent links of the nodes already built, which only exact score ties pay for.
 
 // A candidate or node: parent node (11 bits), rank at its depth (10 bits), depth (5 bits).
-__device__ __forceinline__ uint32_t pack_id(uint32_t parent, uint32_t rank, uint32_t depth) {
-  return parent | rank << 11 | depth << 21;
-}
-__device__ __forceinline__ uint32_t id_parent(uint32_t id) { return id & 0x7FFu; }
-__device__ __forceinline__ uint32_t id_rank(uint32_t id) { return (id >> 11) & 0x3FFu; }
-__device__ __forceinline__ uint32_t id_depth(uint32_t id) { return id >> 21; }
+using NodeId = PackedId<11, 10>;
 
 // Order-preserving map of a float32 score to a key that is smaller for a higher score; -0 and
 // +0 map to one key because the reference's heap sees them as equal.
@@ -37,34 +31,6 @@ __device__ __forceinline__ uint32_t score_key(float s) {
 __device__ __forceinline__ float key_score(uint32_t key) {
   const uint32_t ord = ~key;
   return __uint_as_float((ord & 0x80000000u) ? (ord & 0x7FFFFFFFu) : ~ord);
-}
-
-// True when candidate x's rank tuple precedes y's lexicographically (a proper prefix first).
-// x and y are distinct; their parents and all their ancestors are built nodes in s_id.
-__device__ __forceinline__ bool lex_less(uint32_t x, uint32_t y, const uint32_t* s_id) {
-  uint32_t px = id_parent(x), cx = id_rank(x), dx = id_depth(x);
-  uint32_t py = id_parent(y), cy = id_rank(y), dy = id_depth(y);
-  bool y_longer = false;
-  while (dx > dy) {  // x -> its ancestor at y's depth
-    const uint32_t u = s_id[px];
-    cx = id_rank(u);
-    px = id_parent(u);
-    --dx;
-  }
-  while (dy > dx) {
-    const uint32_t u = s_id[py];
-    cy = id_rank(u);
-    py = id_parent(u);
-    --dy;
-    y_longer = true;
-  }
-  if (px == py) return cx != cy ? cx < cy : y_longer;  // equal up to here: the prefix is first
-  for (;;) {  // distinct nodes at one depth >= 1: climb to the children of their common ancestor
-    const uint32_t u = s_id[px], v = s_id[py];
-    if (id_parent(u) == id_parent(v)) return id_rank(u) < id_rank(v);
-    px = id_parent(u);
-    py = id_parent(v);
-  }
 }
 
 template <int S> __device__ __forceinline__ uint32_t get(const uint32_t (&a)[S], int slot) {
@@ -110,7 +76,7 @@ __device__ __forceinline__ void rescan(const uint32_t (&key)[S], const uint32_t 
     for (eq &= eq - 1; eq; eq &= eq - 1) {
       const int j = __ffs(eq) - 1;
       const uint32_t other = get<S>(id, j);
-      if (lex_less(other, bi, s_id)) {
+      if (rank_tuple_less<NodeId>(other, bi, s_id)) {
         bs = j;
         bi = other;
       }
@@ -135,7 +101,7 @@ __device__ int build_warp(const float* lpt, int lps, int L, int keff, int budget
   }
   if (lane == 0) {
     key[0] = score_key(__fadd_rn(0.f, lpt[0]));
-    id[0] = pack_id(0, 0, 1);
+    id[0] = NodeId::pack(0, 0, 1);
     s_score[0] = 0.f;
     s_id[0] = 0;
     s_path[0] = 0;
@@ -148,18 +114,9 @@ __device__ int build_warp(const float* lpt, int lps, int L, int keff, int budget
   for (; n <= budget; ++n) {
     const uint32_t m = __reduce_min_sync(kFull, bkey);
     if (m == kEmpty) break;  // every prefix is in the tree
-    const unsigned tie = __ballot_sync(kFull, bkey == m);
-    int w = __ffs(tie) - 1;
-    uint32_t wid = __shfl_sync(kFull, bid, w);
-    for (unsigned rest = tie & (tie - 1); rest; rest &= rest - 1) {
-      const int l = __ffs(rest) - 1;
-      const uint32_t other = __shfl_sync(kFull, bid, l);
-      if (lex_less(other, wid, s_id)) {
-        w = l;
-        wid = other;
-      }
-    }
-    const uint32_t p = id_parent(wid), c = id_rank(wid), d = id_depth(wid);
+    uint32_t wid;
+    const int w = pop_lane<NodeId>(bkey == m, bid, s_id, wid);
+    const uint32_t p = NodeId::parent(wid), c = NodeId::rank(wid), d = NodeId::depth(wid);
     const float s = key_score(m);
     const bool sib = c + 1 < static_cast<uint32_t>(keff);
     const bool kid = d < static_cast<uint32_t>(L) && n < budget;  // the last pop needs no child
@@ -176,8 +133,8 @@ __device__ int build_warp(const float* lpt, int lps, int L, int keff, int budget
     const uint32_t sib_key = sib ? score_key(__fadd_rn(sp, lsib)) : kEmpty;
     const uint32_t kid_key = kid ? score_key(__fadd_rn(s, lkid)) : kEmpty;
     const int tgt = alloc & 31;
-    if (lane == w) put<S>(key, id, bslot, sib_key, sib ? pack_id(p, c + 1, d) : 0u);
-    if (kid && lane == tgt) put<S>(key, id, alloc >> 5, kid_key, pack_id(n, 0, d + 1));
+    if (lane == w) put<S>(key, id, bslot, sib_key, sib ? NodeId::pack(p, c + 1, d) : 0u);
+    if (kid && lane == tgt) put<S>(key, id, alloc >> 5, kid_key, NodeId::pack(n, 0, d + 1));
     if (lane == w || (kid && lane == tgt)) rescan<S>(key, id, s_id, bkey, bid, bslot);
     alloc += kid;
     if (lane <= static_cast<int>(d)) s_path[n * lp1 + lane] = path;

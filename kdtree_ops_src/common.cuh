@@ -79,6 +79,84 @@ inline IndexView index_view(const at::Tensor& t) { return {t.data_ptr(), t.scala
 // The tree ops' shared limits: a full warp's mask, and nodes per tree besides the root.
 constexpr unsigned kFull = 0xFFFFFFFFu;
 constexpr int kMaxBudget = 1024;
+// The deepest tree the builds take: a node's root path fits one warp, its depth five bits.
+constexpr int kMaxDepth = 31;
+
+// A tree node or heap candidate of a tree build in 32 bits: parent (ParentBits), rank among
+// its parent's children (RankBits), depth (5 bits), then FlagBits of the build's own. Each
+// build sizes the fields to its tables; rank_tuple_less reads all of them the same way.
+template <int ParentBits, int RankBits, int FlagBits = 0> struct PackedId {
+  static constexpr int kDepthShift = ParentBits + RankBits, kFlagShift = kDepthShift + 5;
+  static_assert(kFlagShift + FlagBits <= 32, "PackedId's fields must fit 32 bits");
+  __device__ __forceinline__ static uint32_t pack(uint32_t parent, uint32_t rank, uint32_t depth,
+                                                  uint32_t flags = 0) {
+    return parent | rank << ParentBits | depth << kDepthShift | flags << kFlagShift;
+  }
+  __device__ __forceinline__ static uint32_t parent(uint32_t id) {
+    return id & ((1u << ParentBits) - 1);
+  }
+  __device__ __forceinline__ static uint32_t rank(uint32_t id) {
+    return (id >> ParentBits) & ((1u << RankBits) - 1);
+  }
+  __device__ __forceinline__ static uint32_t depth(uint32_t id) {
+    if constexpr (FlagBits == 0) return id >> kDepthShift;  // the top field: nothing to mask
+    else return (id >> kDepthShift) & 0x1Fu;
+  }
+  __device__ __forceinline__ static uint32_t flags(uint32_t id) {
+    return (id >> kFlagShift) & ((1u << FlagBits) - 1);
+  }
+};
+
+// True when candidate x's rank tuple precedes y's lexicographically (a proper prefix first):
+// the order of a best-first heap among equal scores. x and y are distinct PackedId layouts of
+// type Id; their parents and all their ancestors are built nodes, nodes[n] = node n's id.
+template <typename Id>
+__device__ __forceinline__ bool rank_tuple_less(uint32_t x, uint32_t y, const uint32_t* nodes) {
+  uint32_t px = Id::parent(x), cx = Id::rank(x), dx = Id::depth(x);
+  uint32_t py = Id::parent(y), cy = Id::rank(y), dy = Id::depth(y);
+  bool y_longer = false;
+  while (dx > dy) {  // x -> its ancestor at y's depth
+    const uint32_t u = nodes[px];
+    cx = Id::rank(u);
+    px = Id::parent(u);
+    --dx;
+  }
+  while (dy > dx) {
+    const uint32_t u = nodes[py];
+    cy = Id::rank(u);
+    py = Id::parent(u);
+    --dy;
+    y_longer = true;
+  }
+  if (px == py) return cx != cy ? cx < cy : y_longer;  // equal up to here: the prefix is first
+  for (;;) {  // distinct nodes at one depth >= 1: climb to the children of their common ancestor
+    const uint32_t u = nodes[px], v = nodes[py];
+    if (Id::parent(u) == Id::parent(v)) return Id::rank(u) < Id::rank(v);
+    px = Id::parent(u);
+    py = Id::parent(v);
+  }
+}
+
+// A heap pop spread over a warp, each lane holding its best candidate `bid`: among the lanes
+// whose best has the least key (`tied`), the one with the least rank tuple wins. Returns that
+// lane and puts its candidate in wid. Every lane of the warp calls it.
+template <typename Id>
+__device__ __forceinline__ int pop_lane(bool tied, uint32_t bid, const uint32_t* nodes,
+                                        uint32_t& wid) {
+  const unsigned tie = __ballot_sync(kFull, tied);
+  int w = __ffs(tie) - 1;
+  wid = __shfl_sync(kFull, bid, w);
+  for (unsigned rest = tie & (tie - 1); rest; rest &= rest - 1) {
+    const int l = __ffs(rest) - 1;
+    const uint32_t other = __shfl_sync(kFull, bid, l);
+    if (rank_tuple_less<Id>(other, wid, nodes)) {
+      w = l;
+      wid = other;
+    }
+  }
+  return w;
+}
+
 
 inline void check_contiguous(const at::Tensor& t, const char* name) {
   KD_CHECK(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides());

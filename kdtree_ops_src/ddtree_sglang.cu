@@ -9,20 +9,13 @@
 namespace kdtree {
 namespace {
 
-constexpr int kMaxDepth = 31;
 constexpr int kThreads = 256;
 constexpr uint64_t kEmpty = ~uint64_t{0};  // the key of no candidate
 
-// A candidate or node: parent node (11 bits), rank at its depth (11), depth (5), and whether
-// every rank on its root path is 0 (the spine, never pruned). Ranks stay <= budget: rank r + 1
-// is only pushed once rank r became a node.
-__device__ __forceinline__ uint32_t make_id(uint32_t parent, uint32_t rank, uint32_t depth, bool spine) {
-  return parent | rank << 11 | depth << 22 | static_cast<uint32_t>(spine) << 27;
-}
-__device__ __forceinline__ uint32_t id_parent(uint32_t id) { return id & 0x7FFu; }
-__device__ __forceinline__ uint32_t id_rank(uint32_t id) { return (id >> 11) & 0x7FFu; }
-__device__ __forceinline__ uint32_t id_depth(uint32_t id) { return (id >> 22) & 0x1Fu; }
-__device__ __forceinline__ bool id_spine(uint32_t id) { return (id >> 27) & 1u; }
+// A candidate or node: parent node (11 bits), rank at its depth (11), depth (5), and one flag:
+// whether every rank on its root path is 0 (the spine, never pruned). Ranks stay <= budget:
+// rank r + 1 is only pushed once rank r became a node.
+using TreeId = PackedId<11, 11, 1>;
 
 // Order-preserving map of a float64 score to a key that is smaller for a higher score. The
 // worker's heap compares -score with Python's float order, where -0 equals +0, so both map to
@@ -40,34 +33,6 @@ __device__ __forceinline__ double key_score(uint64_t key) {
   return __longlong_as_double(static_cast<long long>(u));
 }
 
-// True when candidate x's rank tuple precedes y's (lexicographically, a proper prefix first).
-// x and y are distinct and every node on their root paths is in s_node.
-__device__ bool rank_tuple_less(uint32_t x, uint32_t y, const uint32_t* s_node) {
-  uint32_t px = id_parent(x), cx = id_rank(x), dx = id_depth(x);
-  uint32_t py = id_parent(y), cy = id_rank(y), dy = id_depth(y);
-  bool y_longer = false;
-  while (dx > dy) {  // x -> its ancestor at y's depth
-    const uint32_t u = s_node[px];
-    cx = id_rank(u);
-    px = id_parent(u);
-    --dx;
-  }
-  while (dy > dx) {
-    const uint32_t u = s_node[py];
-    cy = id_rank(u);
-    py = id_parent(u);
-    --dy;
-    y_longer = true;
-  }
-  if (px == py) return cx != cy ? cx < cy : y_longer;
-  for (;;) {  // distinct nodes at one depth >= 1: climb to the children of their common ancestor
-    const uint32_t u = s_node[px], v = s_node[py];
-    if (id_parent(u) == id_parent(v)) return id_rank(u) < id_rank(v);
-    px = id_parent(u);
-    py = id_parent(v);
-  }
-}
-
 // A lane's best candidate among its slots (slot % 32 == lane): least key, then least rank tuple.
 __device__ void lane_best(const uint64_t* s_key, const uint32_t* s_cand, const uint32_t* s_node,
                           int slots_per_lane, uint64_t& bkey, uint32_t& bid, int& bslot) {
@@ -78,7 +43,7 @@ __device__ void lane_best(const uint64_t* s_key, const uint32_t* s_cand, const u
   for (int j = 0; j < slots_per_lane; ++j) {
     const int slot = j * 32 + lane;
     const uint64_t k = s_key[slot];
-    if (k < bkey || (k == bkey && k != kEmpty && rank_tuple_less(s_cand[slot], bid, s_node))) {
+    if (k < bkey || (k == bkey && k != kEmpty && rank_tuple_less<TreeId>(s_cand[slot], bid, s_node))) {
       bkey = k;
       bid = s_cand[slot];
       bslot = slot;
@@ -137,8 +102,8 @@ __device__ int replay_heap(const TreeArgs& a, const float* lpt, uint64_t* s_key,
   const double prune_below = __dsub_rn(__dsub_rn(first, a.log_budget), a.stop_margin);
   if (lane == 0) {
     s_key[0] = score_key(first);
-    s_cand[0] = make_id(0, 0, 1, true);
-    s_node[0] = make_id(0, 0, 0, true);
+    s_cand[0] = TreeId::pack(0, 0, 1, true);
+    s_node[0] = TreeId::pack(0, 0, 0, true);
     s_nchild[0] = 0;
   }
   __syncwarp();
@@ -153,21 +118,12 @@ __device__ int replay_heap(const TreeArgs& a, const float* lpt, uint64_t* s_key,
         kFull, static_cast<uint32_t>(bkey >> 32) == hi ? static_cast<uint32_t>(bkey) : 0xFFFFFFFFu);
     const uint64_t m = static_cast<uint64_t>(hi) << 32 | lo;
     if (m == kEmpty) break;  // the heap ran dry
-    const unsigned tie = __ballot_sync(kFull, bkey == m);
-    int w = __ffs(tie) - 1;
-    uint32_t wid = __shfl_sync(kFull, bid, w);
-    for (unsigned rest = tie & (tie - 1); rest; rest &= rest - 1) {
-      const int l = __ffs(rest) - 1;
-      const uint32_t other = __shfl_sync(kFull, bid, l);
-      if (rank_tuple_less(other, wid, s_node)) {
-        w = l;
-        wid = other;
-      }
-    }
+    uint32_t wid;
+    const int w = pop_lane<TreeId>(bkey == m, bid, s_node, wid);
     const int wslot = __shfl_sync(kFull, bslot, w);
     const double s = key_score(m);
-    const uint32_t p = id_parent(wid), r = id_rank(wid), d = id_depth(wid);
-    const bool spine = id_spine(wid);
+    const uint32_t p = TreeId::parent(wid), r = TreeId::rank(wid), d = TreeId::depth(wid);
+    const bool spine = TreeId::flags(wid) != 0;
     bool rescan = lane == w;
     if (!spine && s < prune_below) {
       if (lane == w) s_key[wslot] = kEmpty;  // pruned: it spawns nothing
@@ -179,7 +135,7 @@ __device__ int replay_heap(const TreeArgs& a, const float* lpt, uint64_t* s_key,
       }
       if (lane == w) {  // the next sibling takes the popped slot
         s_key[wslot] = sib_key;
-        s_cand[wslot] = make_id(p, r + 1, d, false);
+        s_cand[wslot] = TreeId::pack(p, r + 1, d, false);
       }
       if (lane == 0) {
         s_node[n] = wid;
@@ -192,7 +148,7 @@ __device__ int replay_heap(const TreeArgs& a, const float* lpt, uint64_t* s_key,
         const int slot = alloc++;
         if (lane == (slot & 31)) {
           s_key[slot] = score_key(__dadd_rn(__dadd_rn(s, lp(d, 0)), a.depth_bonus));
-          s_cand[slot] = make_id(n, 0, d + 1, spine);
+          s_cand[slot] = TreeId::pack(n, 0, d + 1, spine);
           rescan = true;
         }
       }
@@ -223,7 +179,7 @@ __global__ void __launch_bounds__(kThreads) sglang_tree_kernel(TreeArgs a) {
   if (a.chain) {
     n = L + 1;
     for (int q = tid; q < n; q += blockDim.x) {
-      s_node[q] = q ? make_id(q - 1, 0, q, true) : make_id(0, 0, 0, true);
+      s_node[q] = q ? TreeId::pack(q - 1, 0, q, true) : TreeId::pack(0, 0, 0, true);
       s_new[q] = s_old[q] = static_cast<uint16_t>(q);
     }
   } else {
@@ -261,8 +217,8 @@ __global__ void __launch_bounds__(kThreads) sglang_tree_kernel(TreeArgs a) {
       __syncthreads();
       for (int i = tid + 1; i < n; i += blockDim.x) {
         const uint32_t u = s_node[i];
-        if (id_depth(u) == static_cast<uint32_t>(d)) {
-          const int q = s_start[s_new[id_parent(u)]] + s_sib[i];
+        if (TreeId::depth(u) == static_cast<uint32_t>(d)) {
+          const int q = s_start[s_new[TreeId::parent(u)]] + s_sib[i];
           s_new[i] = static_cast<uint16_t>(q);
           s_old[q] = static_cast<uint16_t>(i);
         }
@@ -280,11 +236,11 @@ __global__ void __launch_bounds__(kThreads) sglang_tree_kernel(TreeArgs a) {
     int64_t token = 0, depth = 0, parent = -1;
     if (q < n) {
       const uint32_t u = s_node[s_old[q]];
-      depth = id_depth(u);
-      parent = q ? s_new[id_parent(u)] : 0;
+      depth = TreeId::depth(u);
+      parent = q ? s_new[TreeId::parent(u)] : 0;
       s_pnew[q] = static_cast<uint16_t>(parent);
       s_dnew[q] = static_cast<uint8_t>(depth);
-      if (q) token = tok[(depth - 1) * a.K + id_rank(u)];
+      if (q) token = tok[(depth - 1) * a.K + TreeId::rank(u)];
       if (!q) parent = -1;
     }
     a.parents[row0 + q] = parent;
