@@ -41,12 +41,10 @@ __device__ __forceinline__ uint32_t cand_ordinal(uint64_t k) { return static_cas
 __device__ __forceinline__ uint32_t cand_parent(uint64_t k) { return static_cast<uint32_t>(k) & 0x1FFFu; }
 
 // Shared-memory layout of the parallel path; the host sizes the launch with the same function.
-struct LevelLayout {
+struct LevelLayout : Carve {
   size_t ckey, cid, t_score, t_id, sel_key, par_off, lprow, surv, t_ord, node_of, sel_slot,
-      par_slot, bytes;
+      par_slot;
   __host__ __device__ LevelLayout(int cand_cap, int slot_cap, int budget, int keff) {
-    size_t o = 0;
-    auto take = [&o](size_t n) { const size_t at = o; o += (n + 15) / 16 * 16; return at; };
     ckey = take(sizeof(uint64_t) * cand_cap);
     cid = take(sizeof(uint32_t) * cand_cap);
     t_score = take(sizeof(float) * slot_cap);
@@ -59,7 +57,6 @@ struct LevelLayout {
     node_of = take(sizeof(uint16_t) * slot_cap);
     sel_slot = take(sizeof(uint16_t) * 2 * budget);
     par_slot = take(sizeof(uint16_t) * budget);
-    bytes = o;
   }
 };
 

@@ -286,6 +286,19 @@ template <typename T> __device__ __forceinline__ T* at_offset(unsigned char* bas
   return reinterpret_cast<T*>(base + off);
 }
 
+// Base of a shared-memory layout: each take(n) is the offset of the next array of n bytes,
+// 16-byte aligned so any array can be read in vectors, and `bytes` the total so far. A layout
+// built by one constructor on the host (to size the launch) and in the kernel (to find its
+// arrays through at_offset) cannot disagree with itself.
+struct Carve {
+  size_t bytes = 0;
+  __host__ __device__ size_t take(size_t n) {
+    const size_t at = bytes;
+    bytes += (n + 15) / 16 * 16;
+    return at;
+  }
+};
+
 // Exclusive prefix sum of one value per thread, in thread order, and the block's total; every
 // thread must call it. s_scan holds 33 ints.
 __device__ inline int block_exclusive_scan(int v, int* s_scan, int& total) {

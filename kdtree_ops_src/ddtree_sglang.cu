@@ -65,14 +65,12 @@ struct TreeArgs {
 };
 
 // Shared memory of one CTA; the host sizes the launch with the same function.
-struct TreeLayout {
-  size_t node, nchild, sib, newi, oldi, start, pnew, dnew, region, lp, bytes;
+struct TreeLayout : Carve {
+  size_t node, nchild, sib, newi, oldi, start, pnew, dnew, region, lp;
   int slots_per_lane;
   __host__ __device__ TreeLayout(int budget, int L, int K, bool lp_in_smem) {
     const int D = budget + 1;
     slots_per_lane = (budget + 31) / 32;
-    size_t o = 0;
-    auto take = [&o](size_t n) { const size_t at = o; o += (n + 15) / 16 * 16; return at; };
     node = take(sizeof(uint32_t) * D);
     nchild = take(sizeof(uint16_t) * D);
     sib = take(sizeof(uint16_t) * D);
@@ -86,7 +84,6 @@ struct TreeLayout {
     const size_t paths = sizeof(uint16_t) * static_cast<size_t>(D) * (L + 1);
     region = take(heap > paths ? heap : paths);
     lp = take(lp_in_smem ? sizeof(float) * L * K : 0);
-    bytes = o;
   }
 };
 
