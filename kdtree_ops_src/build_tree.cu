@@ -136,28 +136,9 @@ void dispatch_slots(const BuildArgs& a, int B, size_t smem) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> build_tree(
     const at::Tensor& topk_logprobs, const at::Tensor& topk_tokens, const at::Tensor& root_tokens,
     int64_t budget) {
-  check_cuda(topk_logprobs, "topk_logprobs", topk_logprobs);
-  check_cuda(topk_tokens, "topk_tokens", topk_logprobs);
-  check_cuda(root_tokens, "root_tokens", topk_logprobs);
-  check_dim(topk_logprobs, "topk_logprobs", 3);
-  check_dtype(topk_logprobs, "topk_logprobs", at::kFloat);
-  check_contiguous(topk_logprobs, "topk_logprobs");
-  check_index(topk_tokens, "topk_tokens");
-  KD_CHECK(topk_tokens.sizes() == topk_logprobs.sizes(), "topk_tokens must have shape ",
-           topk_logprobs.sizes(), " like topk_logprobs, got ", topk_tokens.sizes());
-  check_contiguous(topk_tokens, "topk_tokens");
+  check_draft(topk_logprobs, topk_tokens, std::nullopt, budget, INT32_MAX);
   const int64_t B = topk_logprobs.size(0), L = topk_logprobs.size(1), K = topk_logprobs.size(2);
-  check_dim(root_tokens, "root_tokens", 1);
-  check_dtype(root_tokens, "root_tokens", at::kLong);
-  KD_CHECK(root_tokens.size(0) == B, "root_tokens must have shape [", B, "], got ",
-           root_tokens.sizes());
-  check_contiguous(root_tokens, "root_tokens");
-  KD_CHECK(budget >= 1 && budget <= kMaxBudget, "budget must be in [1, ", kMaxBudget, "], got ",
-           budget);
-  KD_CHECK(L >= 1 && L <= kMaxDepth, "topk_logprobs must have 1 to ", kMaxDepth,
-           " positions (dim 1), got ", L);
-  KD_CHECK(K >= 1 && K <= INT32_MAX, "topk_logprobs must have 1 to ", INT32_MAX,
-           " ranks (dim 2), got ", K);
+  check_per_request(root_tokens, "root_tokens", topk_logprobs, B, at::kLong);
 
   const int64_t N = budget + 1, W = (N + 31) / 32;
   const auto opts = topk_logprobs.options();

@@ -14,6 +14,7 @@
 #include <cctype>
 #include <cstdint>
 #include <cstdlib>
+#include <optional>
 #include <string>
 
 namespace kdtree {
@@ -162,24 +163,72 @@ inline void check_contiguous(const at::Tensor& t, const char* name) {
   KD_CHECK(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides());
 }
 
+// `dtype`, or nullopt for an index of either width (int32 or int64).
+inline void check_dtype_or_index(const at::Tensor& t, const char* name,
+                                 std::optional<at::ScalarType> dtype) {
+  if (dtype.has_value()) check_dtype(t, name, *dtype);
+  else check_index(t, name);
+}
+
+// A contiguous tensor of `dim` dims and `dtype` on like's device.
+inline void check_dense(const at::Tensor& t, const char* name, const at::Tensor& like, int64_t dim,
+                        at::ScalarType dtype) {
+  check_cuda(t, name, like);
+  check_dim(t, name, dim);
+  check_dtype(t, name, dtype);
+  check_contiguous(t, name);
+}
+
 // A [B, N] tree tensor (depths, parents, tokens) shaped like `like`.
 inline void check_tree_arg(const at::Tensor& t, const char* name, const at::Tensor& like,
                            at::ScalarType dtype) {
-  check_cuda(t, name, like);
-  check_dim(t, name, 2);
-  check_dtype(t, name, dtype);
-  check_contiguous(t, name);
+  check_dense(t, name, like, 2, dtype);
   KD_CHECK(t.sizes() == like.sizes(), name, " must have shape ", like.sizes(), ", got ",
            t.sizes());
 }
 
+// A contiguous [B] tensor, one value per request, on like's device; dtype nullopt: an index of
+// either width.
+inline void check_per_request(const at::Tensor& t, const char* name, const at::Tensor& like,
+                              int64_t B, std::optional<at::ScalarType> dtype = std::nullopt) {
+  check_cuda(t, name, like);
+  check_dim(t, name, 1);
+  check_dtype_or_index(t, name, dtype);
+  check_contiguous(t, name);
+  KD_CHECK(t.size(0) == B, name, " must have shape [", B, "], got ", t.sizes());
+}
+
 inline void check_prefix_lens(const at::Tensor& prefix_lens, const at::Tensor& like, int64_t B) {
-  check_cuda(prefix_lens, "prefix_lens", like);
-  check_dim(prefix_lens, "prefix_lens", 1);
-  check_index(prefix_lens, "prefix_lens");
-  check_contiguous(prefix_lens, "prefix_lens");
-  KD_CHECK(prefix_lens.size(0) == B, "prefix_lens must have shape [", B, "], got ",
-           prefix_lens.sizes());
+  check_per_request(prefix_lens, "prefix_lens", like, B);
+}
+
+// A buffer an op writes into: contiguous, exactly `shape` and `dtype`, on like's device.
+inline void check_out(const at::Tensor& t, const char* name, const at::Tensor& like,
+                      at::IntArrayRef shape, at::ScalarType dtype) {
+  check_cuda(t, name, like);
+  check_dtype(t, name, dtype);
+  KD_CHECK(t.sizes() == shape, name, " must have shape ", shape, ", got ", t.sizes());
+  check_contiguous(t, name);
+}
+
+// The drafter's per-position top-K as the tree builds take it: [B, L, K] float32 log-probs,
+// their tokens shaped alike (token_dtype nullopt: int32 or int64), 1 <= L <= kMaxDepth,
+// 1 <= K <= max_k (what the build's index arithmetic allows), a budget in [1, kMaxBudget].
+inline void check_draft(const at::Tensor& topk_logprobs, const at::Tensor& topk_tokens,
+                        std::optional<at::ScalarType> token_dtype, int64_t budget, int64_t max_k) {
+  check_dense(topk_logprobs, "topk_logprobs", topk_logprobs, 3, at::kFloat);
+  check_cuda(topk_tokens, "topk_tokens", topk_logprobs);
+  check_dtype_or_index(topk_tokens, "topk_tokens", token_dtype);
+  KD_CHECK(topk_tokens.sizes() == topk_logprobs.sizes(), "topk_tokens must have shape ",
+           topk_logprobs.sizes(), " like topk_logprobs, got ", topk_tokens.sizes());
+  check_contiguous(topk_tokens, "topk_tokens");
+  const int64_t L = topk_logprobs.size(1), K = topk_logprobs.size(2);
+  KD_CHECK(budget >= 1 && budget <= kMaxBudget, "budget must be in [1, ", kMaxBudget, "], got ",
+           budget);
+  KD_CHECK(L >= 1 && L <= kMaxDepth, "topk_logprobs must have 1 to ", kMaxDepth,
+           " positions (dim 1), got ", L);
+  KD_CHECK(K >= 1 && K <= max_k, "topk_logprobs must have 1 to ", max_k, " ranks (dim 2), got ",
+           K);
 }
 
 // Calls f with an int32_t or int64_t value for an index tensor's dtype (checked by the caller):

@@ -369,35 +369,13 @@ __global__ void commit_order_kernel(const int32_t* __restrict__ accepted,
 
 // ---- host ------------------------------------------------------------------------------------
 
-void check_out(const at::Tensor& t, const char* name, const at::Tensor& like,
-               at::IntArrayRef shape, at::ScalarType dtype) {
-  check_cuda(t, name, like);
-  check_dtype(t, name, dtype);
-  KD_CHECK(t.sizes() == shape, name, " must have shape ", shape, ", got ", t.sizes());
-  check_contiguous(t, name);
-}
-
 void sglang_build_tree(const at::Tensor& topk_logprobs, const at::Tensor& topk_tokens,
                        int64_t budget, double depth_bonus, double log_budget, double stop_margin,
                        bool chain, const at::Tensor& node_tokens, const at::Tensor& node_depths,
                        const at::Tensor& parents, const at::Tensor& visibility,
                        const at::Tensor& tree_sizes) {
-  check_cuda(topk_logprobs, "topk_logprobs", topk_logprobs);
-  check_dim(topk_logprobs, "topk_logprobs", 3);
-  check_dtype(topk_logprobs, "topk_logprobs", at::kFloat);
-  check_contiguous(topk_logprobs, "topk_logprobs");
-  check_cuda(topk_tokens, "topk_tokens", topk_logprobs);
-  check_dtype(topk_tokens, "topk_tokens", at::kLong);
-  KD_CHECK(topk_tokens.sizes() == topk_logprobs.sizes(), "topk_tokens must have shape ",
-           topk_logprobs.sizes(), " like topk_logprobs, got ", topk_tokens.sizes());
-  check_contiguous(topk_tokens, "topk_tokens");
+  check_draft(topk_logprobs, topk_tokens, at::kLong, budget, INT32_MAX / kMaxDepth);
   const int64_t B = topk_logprobs.size(0), L = topk_logprobs.size(1), K = topk_logprobs.size(2);
-  KD_CHECK(budget >= 1 && budget <= kMaxBudget, "budget must be in [1, ", kMaxBudget, "], got ",
-           budget);
-  KD_CHECK(L >= 1 && L <= kMaxDepth, "topk_logprobs must have 1 to ", kMaxDepth,
-           " positions (dim 1), got ", L);
-  KD_CHECK(K >= 1 && K <= INT32_MAX / kMaxDepth, "topk_logprobs must have 1 to ", INT32_MAX / kMaxDepth,
-           " ranks (dim 2), got ", K);
   KD_CHECK(!chain || budget == L, "chain needs budget == L, got budget ", budget, ", L ", L);
   const int64_t D = budget + 1;
   check_out(node_tokens, "node_tokens", topk_logprobs, {B, budget}, at::kLong);
@@ -435,21 +413,13 @@ void sglang_build_tree(const at::Tensor& topk_logprobs, const at::Tensor& topk_t
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void check_retrieve_arg(const at::Tensor& t, const char* name, const at::Tensor& like) {
-  check_cuda(t, name, like);
-  check_dim(t, name, 2);
-  check_dtype(t, name, at::kLong);
-  check_contiguous(t, name);
-  KD_CHECK(t.sizes() == like.sizes(), name, " must have shape ", like.sizes(), ", got ", t.sizes());
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> accept_retrieve(
     const at::Tensor& next_token, const at::Tensor& next_sibling, const at::Tensor& candidates,
     const at::Tensor& target_tokens, int64_t max_depth) {
-  check_retrieve_arg(next_token, "next_token", next_token);
-  check_retrieve_arg(next_sibling, "next_sibling", next_token);
-  check_retrieve_arg(candidates, "candidates", next_token);
-  check_retrieve_arg(target_tokens, "target_tokens", next_token);
+  check_tree_arg(next_token, "next_token", next_token, at::kLong);
+  check_tree_arg(next_sibling, "next_sibling", next_token, at::kLong);
+  check_tree_arg(candidates, "candidates", next_token, at::kLong);
+  check_tree_arg(target_tokens, "target_tokens", next_token, at::kLong);
   const int64_t B = next_token.size(0), D = next_token.size(1);
   KD_CHECK(D >= 1 && D <= 48 * 1024, "next_token must have 1 to ", 48 * 1024, " nodes (dim 1), got ", D);
   KD_CHECK(max_depth >= 0 && max_depth < 12 * 1024, "max_depth must be in [0, ", 12 * 1024, "), got ", max_depth);

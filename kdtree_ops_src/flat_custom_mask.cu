@@ -108,10 +108,7 @@ std::tuple<at::Tensor, at::Tensor> flat_custom_mask(const at::Tensor& mask,
                                                     const at::Tensor& prefix_lens,
                                                     int64_t capacity,
                                                     const std::optional<at::Tensor>& num_nodes) {
-  check_cuda(mask, "mask", mask);
-  check_dim(mask, "mask", 3);
-  check_dtype(mask, "mask", at::kInt);
-  check_contiguous(mask, "mask");
+  check_dense(mask, "mask", mask, 3, at::kInt);
   const int64_t B = mask.size(0), N = mask.size(1), W = mask.size(2);
   KD_CHECK(N >= 1 && N <= kMaxBudget + 1, "mask must have 1 to ", kMaxBudget + 1,
            " nodes (dim 1), got ", N);
@@ -121,13 +118,7 @@ std::tuple<at::Tensor, at::Tensor> flat_custom_mask(const at::Tensor& mask,
   KD_CHECK(capacity >= 0, "capacity must be >= 0, got ", capacity);
   KD_CHECK(B * N + kTailBlocks < INT32_MAX, "mask has too many rows: ", mask.sizes());
   const at::Tensor* counts = num_nodes.has_value() ? &*num_nodes : nullptr;
-  if (counts != nullptr) {
-    check_cuda(*counts, "num_nodes", mask);
-    check_dim(*counts, "num_nodes", 1);
-    check_index(*counts, "num_nodes");
-    check_contiguous(*counts, "num_nodes");
-    KD_CHECK(counts->size(0) == B, "num_nodes must have shape [", B, "], got ", counts->sizes());
-  }
+  if (counts != nullptr) check_per_request(*counts, "num_nodes", mask, B);
 
   const auto opts = mask.options();
   at::Tensor custom_mask = at::empty({capacity}, opts.dtype(at::kBool));
