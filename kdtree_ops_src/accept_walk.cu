@@ -51,11 +51,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> accept_walk(const at::Tensor& par
   at::Tensor bonus = at::empty({B}, opts.dtype(at::kLong));
   if (B == 0) return {accepted, accept_len, bonus};
   const c10::cuda::CUDAGuard guard(parents.device());
-  accept_walk_kernel<<<B, 256, N * sizeof(int32_t), current_stream()>>>(
-      parents.data_ptr<int32_t>(), tokens.data_ptr<int64_t>(), target_tokens.data_ptr<int64_t>(),
-      static_cast<int>(N), static_cast<int>(max_depth + 1), accepted.data_ptr<int32_t>(),
-      accept_len.data_ptr<int32_t>(), bonus.data_ptr<int64_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(accept_walk_kernel, B, 256, N * sizeof(int32_t), parents.data_ptr<int32_t>(),
+                tokens.data_ptr<int64_t>(), target_tokens.data_ptr<int64_t>(), static_cast<int>(N),
+                static_cast<int>(max_depth + 1), accepted.data_ptr<int32_t>(),
+                accept_len.data_ptr<int32_t>(), bonus.data_ptr<int64_t>());
   return {accepted, accept_len, bonus};
 }
 

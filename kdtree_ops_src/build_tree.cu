@@ -115,11 +115,7 @@ __global__ void __launch_bounds__(kBuildThreads, 1) build_tree_kernel(BuildArgs 
 
 template <int S, typename Tok>
 void launch_build(const BuildArgs& a, int B, size_t smem) {
-  auto kernel = build_tree_kernel<S, Tok>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(smem)));
-  kernel<<<B, kBuildThreads, smem, current_stream()>>>(a);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel_optin(build_tree_kernel<S, Tok>, B, kBuildThreads, smem, a);
 }
 
 template <typename Tok>

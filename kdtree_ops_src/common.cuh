@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <optional>
 #include <string>
+#include <utility>
 
 namespace kdtree {
 
@@ -261,6 +262,24 @@ inline bool env_flag(const char* name, bool fallback) {
 }
 
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+// Launches on the current stream, where a CUDA graph capture records it, and raises on a launch
+// error; args convert to the kernel's parameter types as in a <<<>>> launch.
+template <typename... Params, typename... Args>
+void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
+  kernel<<<grid, block, smem, current_stream()>>>(std::forward<Args>(args)...);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// launch_kernel for dynamic shared memory past the 48 KB default, which a kernel gets only
+// after raising its own limit; smem varies with the arguments, so every launch sets it.
+template <typename... Params, typename... Args>
+void launch_kernel_optin(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                         Args&&... args) {
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(smem)));
+  launch_kernel(kernel, grid, block, smem, std::forward<Args>(args)...);
+}
 
 inline int num_sms(const at::Tensor& on) {
   int dev = on.get_device();

@@ -407,10 +407,7 @@ void sglang_build_tree(const at::Tensor& topk_logprobs, const at::Tensor& topk_t
   const size_t smem = TreeLayout(a.budget, a.L, a.K, a.lp_in_smem).bytes;
   KD_CHECK(smem <= limit, "a tree of budget ", budget, " and depth ", L, " needs ", smem,
            " bytes of shared memory, the GPU has ", limit);
-  C10_CUDA_CHECK(cudaFuncSetAttribute(sglang_tree_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(smem)));
-  sglang_tree_kernel<<<static_cast<unsigned>(B), kThreads, smem, current_stream()>>>(a);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel_optin(sglang_tree_kernel, static_cast<unsigned>(B), kThreads, smem, a);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> accept_retrieve(
@@ -434,16 +431,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> accept_re
   at::Tensor order = at::empty({B * D}, opts.dtype(at::kLong));
   if (B == 0) return {accepted, accept_len, bonus, accepted_tokens, order};
   const c10::cuda::CUDAGuard guard(next_token.device());
-  accept_retrieve_kernel<<<static_cast<unsigned>(B), 128, cols * sizeof(int32_t), current_stream()>>>(
-      next_token.data_ptr<int64_t>(), next_sibling.data_ptr<int64_t>(),
-      candidates.data_ptr<int64_t>(), target_tokens.data_ptr<int64_t>(), static_cast<int>(D),
-      static_cast<int>(cols), accepted.data_ptr<int32_t>(), accept_len.data_ptr<int32_t>(),
-      bonus.data_ptr<int64_t>(), accepted_tokens.data_ptr<int64_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  commit_order_kernel<<<static_cast<unsigned>(B), kThreads, D, current_stream()>>>(
-      accepted.data_ptr<int32_t>(), accept_len.data_ptr<int32_t>(), static_cast<int>(B),
-      static_cast<int>(D), static_cast<int>(cols), order.data_ptr<int64_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(accept_retrieve_kernel, static_cast<unsigned>(B), 128, cols * sizeof(int32_t),
+                next_token.data_ptr<int64_t>(), next_sibling.data_ptr<int64_t>(),
+                candidates.data_ptr<int64_t>(), target_tokens.data_ptr<int64_t>(),
+                static_cast<int>(D), static_cast<int>(cols), accepted.data_ptr<int32_t>(),
+                accept_len.data_ptr<int32_t>(), bonus.data_ptr<int64_t>(),
+                accepted_tokens.data_ptr<int64_t>());
+  launch_kernel(commit_order_kernel, static_cast<unsigned>(B), kThreads, D,
+                accepted.data_ptr<int32_t>(), accept_len.data_ptr<int32_t>(), static_cast<int>(B),
+                static_cast<int>(D), static_cast<int>(cols), order.data_ptr<int64_t>());
   return {accepted, accept_len, bonus, accepted_tokens, order};
 }
 

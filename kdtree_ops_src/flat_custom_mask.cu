@@ -128,17 +128,16 @@ std::tuple<at::Tensor, at::Tensor> flat_custom_mask(const at::Tensor& mask,
   dispatch_index(prefix_lens.scalar_type(), [&](auto tag) {
     using I = decltype(tag);
     const I* lens = prefix_lens.data_ptr<I>();
-    mask_indptr_kernel<I><<<1, 32, 0, current_stream()>>>(
-        lens, static_cast<int>(B), static_cast<int>(N), mask_indptr.data_ptr<int64_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_kernel(mask_indptr_kernel<I>, 1, 32, 0, lens, static_cast<int>(B), static_cast<int>(N),
+                  mask_indptr.data_ptr<int64_t>());
     dispatch_index(count_type, [&](auto count_tag) {
       using J = decltype(count_tag);
       const unsigned blocks = static_cast<unsigned>(B * N + kTailBlocks);
-      flat_mask_kernel<I, J><<<blocks, kFillThreads, 0, current_stream()>>>(
-          mask.data_ptr<int32_t>(), lens, counts != nullptr ? counts->data_ptr<J>() : nullptr,
-          mask_indptr.data_ptr<int64_t>(), static_cast<int>(B), static_cast<int>(N),
-          static_cast<int>(W), capacity, reinterpret_cast<uint8_t*>(custom_mask.data_ptr<bool>()));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch_kernel(flat_mask_kernel<I, J>, blocks, kFillThreads, 0, mask.data_ptr<int32_t>(), lens,
+                    counts != nullptr ? counts->data_ptr<J>() : nullptr,
+                    mask_indptr.data_ptr<int64_t>(), static_cast<int>(B), static_cast<int>(N),
+                    static_cast<int>(W), capacity,
+                    reinterpret_cast<uint8_t*>(custom_mask.data_ptr<bool>()));
     });
   });
   return {custom_mask, mask_indptr};

@@ -92,13 +92,11 @@ void launch(const at::Tensor& va, const at::Tensor& sa, const at::Tensor& vb,
                      aligned16(vo, elem);
     const int64_t threads = rows * (vec ? dim / Vec<T>::N : dim);
     constexpr int kBlock = 256;
-    auto kernel = vec ? merge_state_kernel<T, true> : merge_state_kernel<T, false>;
-    kernel<<<ceil_div(threads, kBlock), kBlock, 0, current_stream()>>>(
-        static_cast<const T*>(va.data_ptr()), sa.data_ptr<float>(), layout(va, sa),
-        static_cast<const T*>(vb.data_ptr()), sb.data_ptr<float>(), layout(vb, sb),
-        static_cast<T*>(vo.data_ptr()), so.data_ptr<float>(), layout(vo, so), va.size(1), dim,
-        rows);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_kernel(vec ? merge_state_kernel<T, true> : merge_state_kernel<T, false>,
+                  ceil_div(threads, kBlock), kBlock, 0, static_cast<const T*>(va.data_ptr()),
+                  sa.data_ptr<float>(), layout(va, sa), static_cast<const T*>(vb.data_ptr()),
+                  sb.data_ptr<float>(), layout(vb, sb), static_cast<T*>(vo.data_ptr()),
+                  so.data_ptr<float>(), layout(vo, so), va.size(1), dim, rows);
   });
 }
 

@@ -104,11 +104,10 @@ void validate_slots(const at::Tensor& src, const at::Tensor& dst, int64_t slots,
   const I* s = src.data_ptr<I>();
   const I* d = dst.data_ptr<I>();
   constexpr int kBlock = 256;
-  mark_dst_kernel<I><<<ceil_div(pairs, kBlock), kBlock, 0, stream>>>(s, d, pairs, slots, m, b);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(mark_dst_kernel<I>, ceil_div(pairs, kBlock), kBlock, 0, s, d, pairs, slots, m, b);
   if (disjoint) {
-    find_overlap_kernel<I><<<ceil_div(pairs, kBlock), kBlock, 0, stream>>>(s, d, pairs, slots, m, b);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_kernel(find_overlap_kernel<I>, ceil_div(pairs, kBlock), kBlock, 0, s, d, pairs, slots,
+                  m, b);
   }
   const at::Tensor host = bad.cpu();
   const auto* h = reinterpret_cast<const unsigned long long*>(host.data_ptr());
@@ -146,10 +145,9 @@ void launch_rows(const LayerTable& in, const LayerTable& out, int layers, const 
   const dim3 grid(ceil_div(pairs, kWarps), layers);
   auto go = [&](auto vec) {
     using V = decltype(vec);
-    move_rows_kernel<V, I><<<grid, kWarps * 32, 0, current_stream()>>>(
-        in, out, src.data_ptr<I>(), dst.data_ptr<I>(), pairs, slots,
-        row_bytes / static_cast<int64_t>(sizeof(V)), in_indexed, out_indexed);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_kernel(move_rows_kernel<V, I>, grid, kWarps * 32, 0, in, out, src.data_ptr<I>(),
+                  dst.data_ptr<I>(), pairs, slots, row_bytes / static_cast<int64_t>(sizeof(V)),
+                  in_indexed, out_indexed);
   };
   switch (vector_bytes(row_bytes, {&in, &out}, layers)) {
     case 16: go(uint4{}); break;

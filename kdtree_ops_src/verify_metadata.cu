@@ -76,13 +76,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_me
   dispatch_index(prefix_lens.scalar_type(), [&](auto tag) {
     using I = decltype(tag);
     const size_t smem = retrieve ? N * sizeof(int32_t) : 0;
-    verify_metadata_kernel<I><<<B, 256, smem, current_stream()>>>(
-        depths.data_ptr<int32_t>(), parents.data_ptr<int32_t>(), prefix_lens.data_ptr<I>(),
-        static_cast<int>(B), static_cast<int>(N), retrieve, positions.data_ptr<int64_t>(),
-        qo_indptr.data_ptr<int32_t>(), retrieve ? r_index.data_ptr<int64_t>() : nullptr,
-        retrieve ? r_next.data_ptr<int64_t>() : nullptr,
-        retrieve ? r_sibling.data_ptr<int64_t>() : nullptr);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_kernel(verify_metadata_kernel<I>, B, 256, smem, depths.data_ptr<int32_t>(),
+                  parents.data_ptr<int32_t>(), prefix_lens.data_ptr<I>(), static_cast<int>(B),
+                  static_cast<int>(N), retrieve, positions.data_ptr<int64_t>(),
+                  qo_indptr.data_ptr<int32_t>(), retrieve ? r_index.data_ptr<int64_t>() : nullptr,
+                  retrieve ? r_next.data_ptr<int64_t>() : nullptr,
+                  retrieve ? r_sibling.data_ptr<int64_t>() : nullptr);
   });
   return {positions, qo_indptr, r_index, r_next, r_sibling};
 }
