@@ -186,11 +186,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> build_tre
     }
   }
   const size_t smem = base + region;
-  if (topk_tokens.scalar_type() == at::kInt) {
-    dispatch_slots<int32_t>(a, static_cast<int>(B), smem);
-  } else {
-    dispatch_slots<int64_t>(a, static_cast<int>(B), smem);
-  }
+  dispatch_index(topk_tokens.scalar_type(),
+                 [&](auto tag) { dispatch_slots<decltype(tag)>(a, static_cast<int>(B), smem); });
   return {tokens, parents, depths, num_nodes, mask};
 }
 
