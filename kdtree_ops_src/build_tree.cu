@@ -164,7 +164,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> build_tre
   const size_t base = static_cast<size_t>(N) * 2 * sizeof(float);
   const size_t path_bytes = static_cast<size_t>(N) * (L + 1) * sizeof(uint16_t);
   const size_t lp_bytes = static_cast<size_t>(L) * a.keff * sizeof(float);
-  const size_t limit = static_cast<size_t>(max_smem_optin(topk_logprobs)) - 1024;  // static smem
+  const size_t limit = dynamic_smem_limit(topk_logprobs);
   a.lp_in_smem = base + lp_bytes + path_bytes <= limit;
   size_t region = path_bytes + (a.lp_in_smem ? lp_bytes : 0);
   // The parallel path needs room for a depth's candidates (about the budget once the bar is

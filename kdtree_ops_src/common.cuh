@@ -246,6 +246,11 @@ inline int max_smem_optin(const at::Tensor& on) {
   return v;
 }
 
+// Dynamic shared memory a kernel may ask for beside up to 1 KB of its own static arrays.
+inline size_t dynamic_smem_limit(const at::Tensor& on) {
+  return static_cast<size_t>(max_smem_optin(on)) - 1024;
+}
+
 // A KDTREE_* switch read exactly as kdtree_ops.env_flag reads it: 1/true/yes/on or
 // 0/false/no/off in any case, surrounding blanks ignored; unset or anything else is `fallback`
 // (Python also warns about the latter).

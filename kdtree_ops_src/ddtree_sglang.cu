@@ -402,7 +402,7 @@ void sglang_build_tree(const at::Tensor& topk_logprobs, const at::Tensor& topk_t
   a.log_budget = log_budget;
   a.stop_margin = stop_margin;
   a.chain = chain;
-  const size_t limit = static_cast<size_t>(max_smem_optin(topk_logprobs)) - 1024;  // static smem
+  const size_t limit = dynamic_smem_limit(topk_logprobs);
   a.lp_in_smem = !chain && TreeLayout(a.budget, a.L, a.K, true).bytes <= limit;
   const size_t smem = TreeLayout(a.budget, a.L, a.K, a.lp_in_smem).bytes;
   KD_CHECK(smem <= limit, "a tree of budget ", budget, " and depth ", L, " needs ", smem,
