@@ -21,6 +21,7 @@ flat_custom_mask                       flat_custom_mask.cu
 accept_walk                            accept_walk.cu
 sglang_build_tree_, accept_retrieve    ddtree_sglang.cu
 move_kv                                move_kv.cu
+guard_errors (not an op: ctypes)       guard.cu (device guards: common.cuh)
 draft_topk                             (torch ops only)
 =====================================  =========================================================
 
@@ -33,6 +34,7 @@ other module of this project; with ``KDTREE_VERIFY`` set it installs the SGLang 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import hashlib
 import heapq
@@ -56,6 +58,7 @@ import torch
 __all__ = [
     "MLA_QK_DIM", "MLA_V_DIM", "MAX_TREE_BUDGET", "MAX_TREE_DEPTH",
     "build", "load", "cuda_available", "cache_root", "env_flag", "env_number", "check_mode",
+    "guard_errors", "GUARDS",
     "merge_state", "merge_state_",
     "verify_attn", "verify_attn_reference", "pack_tree_mask", "sglang_mask_to_packed",
     "pack_bits", "unpack_bits", "ancestor_mask",
@@ -437,12 +440,49 @@ def load() -> bool:
         if env_flag("KDTREE_NO_BUILD") or not torch.cuda.is_available():
             return False
         try:
-            torch.ops.load_library(str(build()))
+            lib = build()
+            torch.ops.load_library(str(lib))
+            global _GUARD_READER
+            _GUARD_READER = ctypes.CDLL(str(lib)).kdtree_guard_errors
+            _GUARD_READER.argtypes, _GUARD_READER.restype = [ctypes.c_int], ctypes.c_int
+            _GUARD_READER(0)  # allocates the guard table now, never inside a graph capture
         except BaseException as e:
             _LOAD_ERROR = e
             raise
         _LOADED = True
         return True
+
+
+_GUARD_READER = None
+# Bit order of kdtree::Guard (common.cuh).
+GUARDS = (
+    "kv_indices outside kv_cache (verify_attn)",
+    "malformed qo_indptr/kv_indptr or nodes past tree_mask (verify_attn)",
+    "rows outside custom_mask (sglang_mask_to_packed)",
+    "slots outside the pool (move_kv)",
+)
+
+
+def guard_errors(clear: bool = True) -> list[str]:
+    """The device guards tripped since the last clear, read without synchronising.
+
+    CUDA kernels never check index values on the host (that would sync, and cannot run
+    inside a CUDA graph). Instead a kernel that meets an out-of-range index or a malformed
+    indptr reads and writes nothing outside its tensors, gives the affected output a defined
+    value (NaN rows for verify_attn, cleared bits for sglang_mask_to_packed, a skipped pair
+    for move_kv) and sets a flag in host-mapped memory. Flags of kernels still queued appear
+    once they ran; ``torch.cuda.synchronize()`` first to see everything launched so far.
+
+    Returns
+    -------
+    list of str
+        One entry per tripped guard (see ``GUARDS``); empty when none tripped or the kernels
+        are not loaded.
+    """
+    if _GUARD_READER is None:
+        return []
+    bits = _GUARD_READER(1 if clear else 0)
+    return [name for i, name in enumerate(GUARDS) if bits >> i & 1]
 
 
 def cuda_available() -> bool:
@@ -698,8 +738,8 @@ def _validate_verify_indices(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree
         used = kv_indices[: kvp[-1].item()]
         if bool((used < 0).any()) or bool((used >= S).any()):
             problems.append(f"kv_indices must lie in [0, {S}) (rows of kv_cache)")
-    if qo[0].item() != 0 or bool((qo[1:] < qo[:-1]).any()) or qo[-1].item() > T:
-        problems.append(f"qo_indptr must start at 0, be non-decreasing and end <= T={T}")
+    if qo[0].item() != 0 or bool((qo[1:] < qo[:-1]).any()) or qo[-1].item() != T:
+        problems.append(f"qo_indptr must start at 0, be non-decreasing and end at T={T}")
     elif tree_mask is not None:
         most = int((qo[1:] - qo[:-1]).max().item()) if qo.numel() > 1 else 0
         if most > 32 * tree_mask.shape[1]:

@@ -59,6 +59,7 @@ import kdtree_ops
 logger = logging.getLogger("kdtree_ops")
 
 TRITON_BACKEND = "sglang.srt.layers.attention.triton_backend"
+GRAPH_RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner"
 MODES = ("off", "validate", "on")
 
 # Timed phases beside attention: (module, class or None for a module function, attribute,
@@ -259,6 +260,7 @@ class _State:
         self.backends = weakref.WeakSet()  # every TritonAttnBackend that prepared a verify step
         self.local = threading.local()
         self.defrag_off: Optional[str] = None
+        self.guard_tripped: Optional[str] = None  # the kernels' device guards (kdtree_ops.guard_errors)
 
 
 _STATE: Optional[_State] = None
@@ -382,6 +384,8 @@ def _scale_reason(layer, pool_dtype: torch.dtype) -> Optional[str]:
 def _unsupported(backend, q, k, v, layer, fb, extra: dict) -> Optional[str]:
     """Why our path cannot serve this target-MLA TARGET_VERIFY call exactly as SGLang would
     (None: it can)."""
+    if _STATE.guard_tripped:
+        return f"a device guard tripped ({_STATE.guard_tripped})"
     for name in ("sinks", "score_mod", "aux_tensors"):
         if extra.get(name) is not None:
             return f"{name} is set"
@@ -591,11 +595,27 @@ def _make_metadata_hook(original, in_capture_arg: bool):
     return _wrapper_of(hooked, original)
 
 
+def _guards_tripped() -> bool:
+    """Read the kernels' device guards (no sync). A trip means SGLang handed our kernels
+    indices outside their tensors: the kernels read nothing out of bounds and wrote NaN
+    rows, and from now on SGLang's own path serves every verify call (eager, and graphs stop
+    replaying: see _make_can_run_graph)."""
+    st = _STATE
+    if st.guard_tripped is None:
+        tripped = kdtree_ops.guard_errors()
+        if tripped:
+            st.guard_tripped = "; ".join(tripped)
+            logger.error("kdtree_ops: device guard tripped: %s; SGLang's own path serves verify attention from now on",
+                         st.guard_tripped)
+    return st.guard_tripped is not None
+
+
 def _on_verify_step(backend, fb, in_capture: bool, replay: bool) -> None:
     st = _STATE
     st.masks.pop(backend, None)
     if in_capture or _capturing() or not _serves_target_mla(backend):
         return
+    _guards_tripped()
     st.steps += 1
     if replay and st.profile:
         st.profiler.graph_steps += 1
@@ -643,6 +663,28 @@ def _make_init_hook(original):
             logger.warning("kdtree_ops: backend setup failed (%s: %s); continuing", type(e).__name__, e)
 
     return _wrapper_of(init, original)
+
+
+def _make_can_run_graph(original):
+    """Wrap DecodeCudaGraphRunner.can_run_graph: graphs captured with our kernels cannot
+    switch to SGLang's path, so once a device guard has tripped, TARGET_VERIFY batches run
+    eagerly, where forward_extend falls back."""
+
+    def can_run_graph(self, forward_batch, *args, **kwargs):
+        st = _STATE
+        try:
+            if st is not None and forward_batch.forward_mode.is_target_verify() and _guards_tripped():
+                return False
+        except Exception as e:
+            logger.warning("kdtree_ops: guard check failed (%s: %s); continuing", type(e).__name__, e)
+        return original(self, forward_batch, *args, **kwargs)
+
+    return _wrapper_of(can_run_graph, original)
+
+
+def _patch_graph_runner(module) -> None:
+    cls = module.DecodeCudaGraphRunner
+    _patch(cls, "can_run_graph", _make_can_run_graph(cls.__dict__["can_run_graph"]))
 
 
 def _patch_triton_backend(tb) -> None:
@@ -1302,6 +1344,7 @@ def install(mode: Optional[str] = None) -> bool:
             return True
         _STATE = _State(mode)
         _when_imported(TRITON_BACKEND, _patch_triton_backend)
+        _when_imported(GRAPH_RUNNER, _patch_graph_runner)
         _install_ddtree()
         if _STATE.profile:
             for module, cls_name, attr, phase in PROFILE_POINTS:

@@ -2547,3 +2547,202 @@ def test_main_runs_a_checked_round_on_cpu(capsys):
                   "commit_accept", "defragment"):
         assert any(line.startswith(stage) and " ok: " in line for line in table.splitlines()), stage
     assert "FAIL" not in table and "all checks passed" in table
+
+
+# ---- Device guards: out-of-range data on CUDA, graph-safe (no host sync) ----
+# An index outside its tensor never reaches memory: the kernels give the affected rows a
+# defined value (NaN) and raise a flag in host-mapped memory, read by kdtree_ops.guard_errors().
+
+GUARD_SLOT, GUARD_INDPTR, GUARD_MASK = (kdtree_ops.GUARDS[i] for i in range(3))
+
+
+def poisoned_requests(out, lse, qo_indptr, bad):
+    """Rows of requests in `bad` are NaN in out and lse; every other row is finite."""
+    qo = qo_indptr.tolist()
+    for b in range(len(qo) - 1):
+        rows = slice(qo[b], qo[b + 1])
+        if b in bad:
+            assert torch.isnan(out[rows]).all() and torch.isnan(lse[rows]).all(), b
+        else:
+            assert torch.isfinite(out[rows]).all(), b
+
+
+@needs_gpu
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("slot", ["past_pool", "negative", "huge"])
+@pytest.mark.parametrize("hint", [None, 64], ids=["splits", "one_split"])
+def test_verify_guard_slot_out_of_range(verify_kernel, index_dtype, slot, hint):
+    """A prefix slot outside kv_cache: its request's rows come out NaN, the others exact, the
+    guard raised (and cleared by reading it)."""
+    case = make_verify_case([1500, 700, 2100], [9, 5, 13], 16, index_dtype=index_dtype)
+    S = case["kv_cache"].shape[0]
+    bad = {"past_pool": S, "negative": -1, "huge": 2**31 - 5 if index_dtype == torch.int32 else 2**40}[slot]
+    good = case["kv_indices"].clone()
+    case["kv_indices"][1500 + 333] = bad
+    kdtree_ops.guard_errors()
+    out, lse = kdtree_ops.verify_attn(*verify_args(case), max_kv_len=hint)
+    torch.cuda.synchronize()
+    poisoned_requests(out, lse, case["qo_indptr"], {1})
+    assert kdtree_ops.guard_errors() == [GUARD_SLOT]
+    assert kdtree_ops.guard_errors() == []
+    case["kv_indices"] = good
+    ref_out, ref_lse = verify_reference(case)
+    keep = torch.ones(out.shape[0], dtype=torch.bool)
+    keep[9:14] = False
+    assert rel_err(out[keep], ref_out[keep]) < 1e-2
+
+
+MALFORMED_BATCHES = {
+    "kv_indptr_decreasing": lambda c: c["kv_indptr"].__setitem__(2, 10),
+    "kv_indptr_past_indices": lambda c: c["kv_indptr"].__setitem__(-1, c["kv_indices"].shape[0] + 1),
+    "kv_indptr_not_from_0": lambda c: c["kv_indptr"].__setitem__(0, -3),
+    "qo_indptr_short_of_T": lambda c: c["qo_indptr"].__setitem__(-1, c["q"].shape[0] - 1),
+    "qo_indptr_decreasing": lambda c: c["qo_indptr"].__setitem__(1, 50),
+    "nodes_past_mask_words": lambda c: c.__setitem__("tree_mask", c["tree_mask"][:, :1].contiguous()),
+}
+
+
+@needs_gpu
+@pytest.mark.parametrize("defect", list(MALFORMED_BATCHES))
+@pytest.mark.parametrize("hint", [None, 64], ids=["splits", "one_split"])
+def test_verify_guard_malformed_batch(verify_kernel, defect, hint, monkeypatch):
+    """Indptrs that do not describe the batch: every output row NaN, nothing read out of
+    bounds, the guard raised; KDTREE_CHECK=1 turns the same defect into an error."""
+    case = make_verify_case([1500, 700, 2100], [9, 35, 13], 16)
+    MALFORMED_BATCHES[defect](case)
+    kdtree_ops.guard_errors()
+    out, lse = kdtree_ops.verify_attn(*verify_args(case), max_kv_len=hint)
+    torch.cuda.synchronize()
+    assert torch.isnan(out).all() and torch.isnan(lse).all()
+    assert kdtree_ops.guard_errors() == [GUARD_INDPTR]
+    monkeypatch.setenv("KDTREE_CHECK", "1")
+    with pytest.raises(ValueError, match="indptr|tree_mask"):
+        kdtree_ops.verify_attn(*verify_args(case))
+
+
+@needs_gpu
+def test_verify_guard_in_graph_replay(verify_kernel):
+    """Captured once; replayed with a bad slot, then with good data again: NaN rows and the
+    flag only on the bad replay (the guard needs no host sync, so it works inside graphs)."""
+    case = make_verify_case([1500, 40], [9, 13], 16, pool=4000)
+    static = verify_args(case)[:-1]
+    run = lambda: kdtree_ops.verify_attn(*static, case["sm_scale"], max_kv_len=2048)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = run()
+    good = case["kv_indices"].clone()
+    kdtree_ops.guard_errors()
+    case["kv_indices"][1500 + 7] = 4000 + 9
+    graph.replay()
+    torch.cuda.synchronize()
+    poisoned_requests(out, lse, case["qo_indptr"], {1})
+    assert kdtree_ops.guard_errors() == [GUARD_SLOT]
+    case["kv_indices"].copy_(good)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_verify_close(out, lse, case)
+    assert kdtree_ops.guard_errors() == []
+
+
+@needs_gpu
+@pytest.mark.parametrize("defect", ["mask_indptr_past_mask", "mask_indptr_negative", "kv_indptr_decreasing"])
+def test_sglang_mask_guard(defect):
+    """SGLang's flat mask with indptrs that point outside custom_mask: the row reads nothing,
+    gets no bits, and the guard is raised; the other requests' rows are exact."""
+    case = make_verify_case([40, 7, 19], [9, 5, 13], 2)
+    flat, mask_indptr = (t.cuda() for t in sglang_flat_mask(case))
+    qo, kvp = case["qo_indptr"].long(), case["kv_indptr"].clone()
+    good = kdtree_ops.sglang_mask_to_packed(flat, mask_indptr, qo, kvp, num_rows=27, max_nodes=13)
+    if defect == "mask_indptr_past_mask":
+        mask_indptr[1] = flat.numel() - 3
+    elif defect == "mask_indptr_negative":
+        mask_indptr[1] = -50
+    else:
+        kvp[2] = kvp[1] - 1  # request 1's prefix length negative
+    kdtree_ops.guard_errors()
+    packed = kdtree_ops.sglang_mask_to_packed(flat, mask_indptr, qo, kvp, num_rows=27, max_nodes=13)
+    torch.cuda.synchronize()
+    assert kdtree_ops.guard_errors() == [GUARD_MASK]
+    assert (packed[9:14] == 0).all() and torch.equal(packed[:9], good[:9])
+    if defect != "kv_indptr_decreasing":  # that one also shifts request 2's prefix
+        assert torch.equal(packed[14:], good[14:])
+
+
+def test_hook_device_guard_trip_falls_back(sgl, spy, caplog, monkeypatch):
+    """A tripped device guard, read when the next step's metadata is built: one error naming
+    it; from then on SGLang's path serves the verify calls, and SGLang's CUDA-graph runner
+    stops replaying TARGET_VERIFY batches (a graph captured with our kernels cannot switch)."""
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+
+    b = spy_step(sgl, spy)
+    sglang_hook.install("on")
+    st, layer = sglang_hook._STATE, b.srv.runner.layer(0)
+    reads = [[], [kdtree_ops.GUARDS[0]]]
+    monkeypatch.setattr(kdtree_ops, "guard_errors", lambda clear=True: reads.pop(0) if reads else [])
+    b.backend.init_forward_metadata(b.step.fb)
+    assert not torch.all(call_spied(b, layer) == 7) and st.ours == 1
+    assert DecodeCudaGraphRunner.can_run_graph.__wrapped__ is not None
+    with caplog.at_level(_logging.WARNING, logger="kdtree_ops"):
+        b.backend.init_forward_metadata(b.step.fb)
+        for _ in range(2):
+            assert torch.all(call_spied(b, layer) == 7)
+    assert (st.ours, st.fallbacks) == (1, 2) and kdtree_ops.GUARDS[0] in st.guard_tripped
+    assert DecodeCudaGraphRunner.can_run_graph(None, b.step.fb) is False
+    errors = [r.getMessage() for r in caplog.records if r.name == "kdtree_ops" and r.levelno >= _logging.ERROR]
+    assert len(errors) == 1 and kdtree_ops.GUARDS[0] in errors[0]
+
+
+@needs_gpu
+def test_hook_device_guard_on_gpu(sgl):
+    """A prefix slot outside the pool in SGLang's own kv_indices (as a corrupted req_to_token
+    would give): the kernel reads nothing outside the pool and leaves that request's rows NaN,
+    the other requests' rows are SGLang's; the next step reads the guard and SGLang serves."""
+    srv = hook_server(sgl, "cuda", N=9, layers=2, heads=16, pool_size=1 << 14, max_context=4096)
+    r = srv.runner
+    g = torch.Generator().manual_seed(5)
+    r.fill(g)
+    sglang_hook.install("on")
+    st, layer = sglang_hook._STATE, r.layer(0)
+    kdtree_ops.guard_errors()
+    prefix_lens = [300, 17, 1000]
+    step = sgl.verify_step(r, prefix_lens, hook_spec(srv, prefix_lens, g), generator=g)
+    r.backend.init_forward_metadata(step.fb)
+    md = r.backend.forward_metadata
+    good = md.kv_indices.clone()
+    md.kv_indices[int(md.kv_indptr[1]) + 3] = r.kv_pool.kv_buffer[0].shape[0] + 1000
+    q, k, v = sgl.layer_inputs(r, step.T, g)
+    ours = r.backend.forward_extend(q, k, v, layer, step.fb).view(step.T, r.heads, 512).clone()
+    torch.cuda.synchronize()
+    assert st.ours == 1 and st.guard_tripped is None
+    md.kv_indices.copy_(good)
+    ref = sglang_forward(r.backend, q, k, v, layer, step.fb).view(step.T, r.heads, 512)
+    qo = md.qo_indptr.tolist()
+    assert torch.isnan(ours[qo[1] : qo[2]]).all()
+    keep = torch.ones(step.T, dtype=torch.bool)
+    keep[qo[1] : qo[2]] = False
+    rows_close(ours[keep].flatten(1), ref[keep].flatten(1), r.heads, ROW_TOL["cuda"])
+    r.backend.init_forward_metadata(step.fb)  # the next step: the guard is read here
+    assert st.guard_tripped == GUARD_SLOT
+    r.backend.forward_extend(q, k, v, layer, step.fb)
+    assert (st.ours, st.fallbacks) == (1, 1)
+
+
+@needs_gpu
+@pytest.mark.parametrize("disjoint", [False, True])
+def test_move_kv_guard(disjoint):
+    """A slot past the pool on CUDA (without check mode): that pair moves nothing, the other
+    pairs move, and the guard is raised."""
+    kv = kv_pool(10, (8,), torch.bfloat16, 2, "cuda")
+    before = [t.clone() for t in kv]
+    kdtree_ops.guard_errors()
+    kdtree_ops.move_kv(kv, torch.tensor([1, 10**6], device="cuda"), torch.tensor([5, 6], device="cuda"), disjoint=disjoint)
+    torch.cuda.synchronize()
+    assert kdtree_ops.guard_errors() == [kdtree_ops.GUARDS[3]]
+    for t, b in zip(kv, before):  # bit patterns: the pool's random bits hold NaNs
+        assert torch.equal(t[5].view(torch.int16), b[1].view(torch.int16))
+        assert torch.equal(t[6].view(torch.int16), b[6].view(torch.int16))

@@ -14,6 +14,7 @@
 #include <cctype>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <utility>
@@ -264,6 +265,38 @@ inline bool env_flag(const char* name, bool fallback) {
   if (v == "1" || v == "true" || v == "yes" || v == "on") return true;
   if (v.empty() || v == "0" || v == "false" || v == "no" || v == "off") return false;
   return fallback;
+}
+
+// Graph-safe error reporting. Index and indptr values live on the device, so the host cannot
+// check them without a sync (impossible under CUDA-graph capture). Kernels that meet an
+// out-of-range value never read or write outside a tensor: they produce a defined result (NaN
+// rows, skipped writes) and set their guard's word in this process-wide table of host memory
+// (mapped, so kernels store to it directly and a captured graph replays the same pointer).
+// The host reads it without synchronising through kdtree_guard_errors (kdtree_ops.guard_errors).
+enum Guard : int {
+  kGuardKvSlot = 0,       // verify_attn: a kv_indices value outside kv_cache's rows
+  kGuardVerifyIndptr,     // verify_attn: qo_indptr/kv_indptr malformed, or nodes past the mask
+  kGuardMaskIndptr,       // sglang_mask_to_packed: a row's bits outside custom_mask
+  kGuardMoveSlot,         // move_kv: a slot outside the pool (the pair is skipped)
+  kGuardCount
+};
+
+// Allocated on first use (kdtree_ops.load() makes that use, before any graph capture).
+inline int* guard_words() {
+  static int* words = [] {
+    void* w = nullptr;
+    // Portable + mapped: one pointer valid in every device's kernels (UVA, every sm_80+ GPU).
+    C10_CUDA_CHECK(cudaHostAlloc(&w, kGuardCount * sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable));
+    std::memset(w, 0, kGuardCount * sizeof(int));
+    return static_cast<int*>(w);
+  }();
+  return words;
+}
+
+// A plain store, not an atomic: any nonzero value means "tripped", and PCIe does not promise
+// atomics on host memory.
+__device__ __forceinline__ void raise_guard(int* words, Guard g) {
+  if (words != nullptr) *reinterpret_cast<volatile int*>(words + g) = 1;
 }
 
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }

@@ -20,10 +20,12 @@ __global__ void pack_tree_mask_kernel(const uint8_t* __restrict__ mask, int64_t 
 }
 
 // Row i of request b (node n = i - qo_indptr[b]) reads the tree columns of its flat block:
-// custom_mask[mask_indptr[b] + n * (prefix + nodes) + prefix + j].
-__global__ void sglang_mask_kernel(const uint8_t* __restrict__ mask, IndexView mask_indptr,
-                                   IndexView qo_indptr, IndexView kv_indptr, int batch,
-                                   int64_t rows, int words, int32_t* out) {
+// custom_mask[mask_indptr[b] + n * (prefix + nodes) + prefix + j]. A row whose columns would
+// lie outside custom_mask (or not fit the words) reads nothing: it gets no bits and raises
+// the guard.
+__global__ void sglang_mask_kernel(const uint8_t* __restrict__ mask, int64_t mask_len,
+                                   IndexView mask_indptr, IndexView qo_indptr, IndexView kv_indptr,
+                                   int batch, int64_t rows, int words, int32_t* out, int* guard) {
   const int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (idx >= rows * words) return;
   const int64_t row = idx / words;
@@ -38,9 +40,17 @@ __global__ void sglang_mask_kernel(const uint8_t* __restrict__ mask, IndexView m
     const int b = lo;
     const int64_t node = row - qo_indptr[b], nodes = qo_indptr[b + 1] - qo_indptr[b];
     const int64_t prefix = kv_indptr[b + 1] - kv_indptr[b];
-    const uint8_t* src = mask + mask_indptr[b] + node * (prefix + nodes) + prefix + w * 32;
-    const int n = static_cast<int>(nodes - w * 32 < 32 ? nodes - w * 32 : 32);
-    for (int j = 0; j < n; ++j) bits |= static_cast<uint32_t>(src[j] != 0) << j;
+    // Checked in an order that keeps every product below 2^63.
+    const int64_t first = mask_indptr[b];
+    const int64_t start = first >= 0 && node < nodes && nodes <= 32 * words && prefix >= 0 && prefix <= mask_len
+                              ? first + node * (prefix + nodes) + prefix : -1;
+    if (start >= 0 && start <= mask_len - nodes) {
+      const uint8_t* src = mask + start + w * 32;
+      const int n = static_cast<int>(nodes - w * 32 < 32 ? nodes - w * 32 : 32);
+      for (int j = 0; j < n; ++j) bits |= static_cast<uint32_t>(src[j] != 0) << j;
+    } else {
+      raise_guard(guard, kGuardMaskIndptr);
+    }
   }
   out[idx] = static_cast<int32_t>(bits);
 }
@@ -91,9 +101,9 @@ at::Tensor sglang_mask_to_packed(const at::Tensor& custom_mask, const at::Tensor
   if (num_rows == 0) return out;
   const c10::cuda::CUDAGuard guard(custom_mask.device());
   sglang_mask_kernel<<<ceil_div(num_rows * words, 256), 256, 0, current_stream()>>>(
-      static_cast<const uint8_t*>(custom_mask.data_ptr()), index_view(mask_indptr),
+      static_cast<const uint8_t*>(custom_mask.data_ptr()), custom_mask.numel(), index_view(mask_indptr),
       index_view(qo_indptr), index_view(kv_indptr),
-      static_cast<int>(qo_indptr.size(0) - 1), num_rows, words, out.data_ptr<int32_t>());
+      static_cast<int>(qo_indptr.size(0) - 1), num_rows, words, out.data_ptr<int32_t>(), guard_words());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }

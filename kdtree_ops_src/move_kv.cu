@@ -35,14 +35,18 @@ template <typename V, typename I>
 __global__ void __launch_bounds__(kWarps * 32)
     move_rows_kernel(const __grid_constant__ LayerTable in, const __grid_constant__ LayerTable out,
                      const I* __restrict__ src, const I* __restrict__ dst, int64_t pairs,
-                     int64_t slots, int64_t row_vecs, bool in_indexed, bool out_indexed) {
+                     int64_t slots, int64_t row_vecs, bool in_indexed, bool out_indexed, int* guard) {
   const int64_t pair = blockIdx.x * static_cast<int64_t>(kWarps) + threadIdx.x / 32;
   if (pair >= pairs) return;
   const int64_t s = src[pair], d = dst[pair];
-  // Padding pairs are skipped; out-of-range ones too, so bad input can never touch memory
-  // outside the pool (check mode reports them instead).
-  if (s < 0 || d < 0 || s >= slots || d >= slots) return;
   const int layer = blockIdx.y;
+  // Padding pairs are skipped; out-of-range ones too, so bad input can never touch memory
+  // outside the pool: they raise the guard (check mode reports them as errors instead).
+  if (s < 0 || d < 0) return;
+  if (s >= slots || d >= slots) {
+    if (layer == 0 && threadIdx.x % 32 == 0) raise_guard(guard, kGuardMoveSlot);
+    return;
+  }
   const V* from = reinterpret_cast<const V*>(in.base[layer] + (in_indexed ? s : pair) * in.stride[layer]);
   V* to = reinterpret_cast<V*>(out.base[layer] + (out_indexed ? d : pair) * out.stride[layer]);
   const int lane = threadIdx.x % 32;
@@ -147,7 +151,7 @@ void launch_rows(const LayerTable& in, const LayerTable& out, int layers, const 
     using V = decltype(vec);
     launch_kernel(move_rows_kernel<V, I>, grid, kWarps * 32, 0, in, out, src.data_ptr<I>(),
                   dst.data_ptr<I>(), pairs, slots, row_bytes / static_cast<int64_t>(sizeof(V)),
-                  in_indexed, out_indexed);
+                  in_indexed, out_indexed, guard_words());
   };
   switch (vector_bytes(row_bytes, {&in, &out}, layers)) {
     case 16: go(uint4{}); break;

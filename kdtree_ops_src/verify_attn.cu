@@ -101,7 +101,10 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
   }
   __syncthreads();
   const int b = s_req, row0 = s_row0;
-  if (b < 0) return;
+  if (b < 0) {
+    if (b == kMalformedBatch) poison_rows(p, blockIdx.x, blockIdx.y);
+    return;
+  }
 
   const int split = blockIdx.y;
   const auto [q_begin, nodes, rows_b, kv_begin, pre_begin, pre_end, pre_tiles, n_tiles] = cta_span(p, b, split);
@@ -148,12 +151,13 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
   }
   __syncthreads();  // Q fully in registers before the KV stages overwrite it
 
+  bool bad = false;  // met a prefix slot outside kv_cache (checked_slot)
   auto load_tile = [&](int t, int stage) {
     const Idx* slots = s_slot[t % 3];
     if (t < pre_tiles) {
       const int first = pre_begin + t * kKeys;
       copy_rows(s_kv + stage * kStageBytes, kKeys / kWarps, [&](int k) -> const T* {
-        return first + k < pre_end ? p.kv + static_cast<int64_t>(slots[k]) * p.kv_stride : nullptr;
+        return first + k < pre_end ? p.kv + static_cast<int64_t>(checked_slot(p, slots[k], bad)) * p.kv_stride : nullptr;
       });
     } else {
       const int first = (t - pre_tiles) * kKeys;
@@ -302,7 +306,8 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
   }
 
   // ---- finish: share each row's max and sum, normalise, write ----
-  __syncthreads();  // the last tile's PV has read s_alpha
+  // The last tile's PV has read s_alpha; did any warp meet a slot outside kv_cache?
+  const bool bad_cta = __syncthreads_or(bad);
   if (t4 == 0) {
     const int r = rt * 16 + g + dh * 8;
     s_alpha[r] = row_max;
@@ -310,6 +315,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
   }
   __syncthreads();
   const bool direct = p.splits == 1;
+  if (bad_cta && tid == 0) raise_guard(p.guard, kGuardKvSlot);
 #pragma unroll
   for (int i = 0; i < kRowTiles; ++i)
 #pragma unroll
@@ -317,8 +323,8 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
       const int r = i * 16 + g + half * 8, m = row0 + r;
       if (m >= rows_b) continue;
       const float l = s_l[r];
-      const float inv = l > 0.f ? 1.f / l : 0.f;
-      const float lse = l > 0.f ? (s_alpha[r] + __log2f(l)) * 0.69314718055994531f : -INFINITY;
+      const float inv = bad_cta ? kNaN : l > 0.f ? 1.f / l : 0.f;
+      const float lse = bad_cta ? kNaN : l > 0.f ? (s_alpha[r] + __log2f(l)) * 0.69314718055994531f : -INFINITY;
       const int node = m / p.heads, head = m - node * p.heads;
       const int64_t grow = static_cast<int64_t>(q_begin) * p.heads + m;
       if (direct) {
@@ -367,7 +373,8 @@ __global__ void __launch_bounds__(128) merge_splits_kernel(const VerifyParams<T>
     for (int off = 16; off; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
     for (int s = tid; s < p.splits; s += 32) s_w[s] *= inv;
-    if (tid == 0) s_lse = sum > 0.f ? base + __logf(sum) : -INFINITY;
+    // A NaN partial (a bad slot or a malformed batch) makes sum NaN: the row stays NaN.
+    if (tid == 0) s_lse = sum > 0.f ? base + __logf(sum) : sum == 0.f ? -INFINITY : sum;
   }
   __syncthreads();
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -524,6 +531,10 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
     p.part_o = splits > 1 ? part_o.data_ptr<float>() : nullptr;
     p.part_lse = splits > 1 ? part_lse.data_ptr<float>() : nullptr;
     p.rows_total = T * H;
+    p.kv_rows = kv_cache.size(0);
+    p.n_indices = kv_indices.size(0);
+    p.tokens = static_cast<int>(T);
+    p.guard = guard_words();
 
     const bool idx32 = kv_indices.scalar_type() == at::kInt;
     const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(splits));

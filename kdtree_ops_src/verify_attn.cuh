@@ -41,6 +41,10 @@ template <typename T> struct VerifyParams {
   float* part_o;
   float* part_lse;
   int64_t rows_total;
+  // For the device guards (common.cuh): kv_cache rows, kv_indices entries, rows of q.
+  int64_t kv_rows, n_indices;
+  int tokens;
+  int* guard;
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -72,17 +76,54 @@ template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float 
   return r;
 }
 
+// A prefix slot outside kv_cache never reaches memory: the loader reads row 0 in its place and
+// notes it in `bad` (a register, so the loops carry no pointer for it); the CTA's writers learn
+// of it through one barrier with an OR (bar_or) before the epilogue, make the CTA's rows NaN
+// (out and lse, or the partials the merge turns into NaN rows) and raise the guard.
+template <typename T, typename Idx>
+__device__ __forceinline__ Idx checked_slot(const VerifyParams<T>& p, Idx slot, bool& bad) {
+  const bool ok = static_cast<uint64_t>(slot) < static_cast<uint64_t>(p.kv_rows);
+  bad |= !ok;
+  return ok ? slot : Idx(0);
+}
+
+// Named barrier `id` over `count` threads that also returns whether any of them passed true.
+template <int id, int count>
+__device__ __forceinline__ bool bar_or(bool v) {
+  uint32_t any;
+  asm volatile(
+      "{\n.reg .pred in, out;\nsetp.ne.u32 in, %1, 0;\nbar.red.or.pred out, %2, %3, in;\n"
+      "selp.u32 %0, 1, 0, out;\n}\n"
+      : "=r"(any)
+      : "r"(static_cast<uint32_t>(v)), "n"(id), "n"(count)
+      : "memory");
+  return any != 0;
+}
+constexpr float kNaN = __builtin_nanf("");
+
 // Called by one full warp: the request and first row of row tile `tile`, scanning the
-// requests' tile counts 32 at a time (req = -1: the tile is past the work).
+// requests' tile counts 32 at a time (req = -1: the tile is past the work). Every CTA also
+// checks the whole batch's indptrs, which is what makes the casts to int below safe: req =
+// kMalformedBatch when qo_indptr does not run from 0 to T without decreasing, kv_indptr does
+// not run from 0 to at most len(kv_indices) without decreasing, or a request has more nodes
+// than tree_mask's words hold.
+constexpr int kMalformedBatch = -2;
 template <typename T>
 __device__ __forceinline__ void find_row_tile(const VerifyParams<T>& p, int tile, int lane, int& req, int& row0) {
   int base = 0;
   req = -1;
   row0 = 0;
-  for (int b0 = 0; b0 < p.batch && base <= tile; b0 += 32) {
+  bool bad = false;
+  for (int b0 = 0; b0 < p.batch; b0 += 32) {
     const int b = b0 + lane;
     int n = 0;
-    if (b < p.batch) n = (static_cast<int>(p.qo_indptr[b + 1]) - static_cast<int>(p.qo_indptr[b])) * p.heads;
+    if (b < p.batch) {
+      const int64_t q0 = p.qo_indptr[b], q1 = p.qo_indptr[b + 1], k0 = p.kv_indptr[b], k1 = p.kv_indptr[b + 1];
+      bad |= q1 < q0 || k1 < k0 || (b == 0 && (q0 != 0 || k0 != 0)) ||
+             (b == p.batch - 1 && (q1 != p.tokens || k1 > p.n_indices)) ||
+             (p.mask != nullptr && q1 - q0 > 32 * static_cast<int64_t>(p.mask_words));
+      if (!bad) n = static_cast<int>(q1 - q0) * p.heads;
+    }
     const int cnt = (n + kRows - 1) / kRows;
     const int incl = warp_inclusive_scan(cnt);
     const int excl = base + incl - cnt;
@@ -94,6 +135,30 @@ __device__ __forceinline__ void find_row_tile(const VerifyParams<T>& p, int tile
       row0 = (tile - __shfl_sync(0xffffffffu, excl, src)) * kRows;
     }
     base += __shfl_sync(0xffffffffu, incl, 31);
+  }
+  if (__any_sync(0xffffffffu, bad)) req = kMalformedBatch;
+}
+
+// A CTA of a malformed batch (find_row_tile): rows [64 tile, 64 tile + 64) of the flattened
+// T x H output become NaN (their partial lse with splits, which the merge turns into NaN rows),
+// so every output row is defined; split 0's CTAs raise the guard. Not inlined: inlined, its
+// code costs the seesaw kernel's producer and consumers registers they do not have (spills).
+template <typename T>
+__device__ __noinline__ void poison_rows(const VerifyParams<T>& p, int tile, int split) {
+  const int64_t first = static_cast<int64_t>(tile) * kRows;
+  if (split == 0 && threadIdx.x == 0) raise_guard(p.guard, kGuardVerifyIndptr);
+  for (int i = threadIdx.x; i < kRows * (kDv / 2 + 1); i += blockDim.x) {
+    const int64_t row = first + i / (kDv / 2 + 1);
+    const int c = i % (kDv / 2 + 1);
+    if (row >= p.rows_total) break;
+    const int64_t node = row / p.heads, head = row - node * p.heads;
+    if (p.splits > 1) {
+      if (c == 0) p.part_lse[split * p.rows_total + row] = kNaN;
+    } else if (c == kDv / 2) {
+      p.lse[node * p.lse_st + head * p.lse_sh] = kNaN;
+    } else {
+      *reinterpret_cast<uint32_t*>(p.out + node * p.out_st + head * p.out_sh + 2 * c) = ~0u;
+    }
   }
 }
 

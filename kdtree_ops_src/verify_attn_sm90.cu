@@ -48,8 +48,9 @@ constexpr int kChunks = kDqk / 8;  // 16-byte chunks per row
 // the most that fits the 168-register budget without spills; the last 12 read Q from shared
 // memory. (ptxas allocates one budget for all warpgroups, so setmaxnreg would not help.)
 constexpr int kQRegSteps = 24;
-// Named barriers (0 is __syncthreads): P buffer b full (+b), P buffer b empty (+b), row stats.
-constexpr int kBarPFull = 1, kBarPEmpty = 3, kBarStats = 5;
+// Named barriers (0 is __syncthreads): P buffer b full (+b), P buffer b empty (+b), row stats,
+// the loaders' bad-slot OR.
+constexpr int kBarPFull = 1, kBarPEmpty = 3, kBarStats = 5, kBarLoaded = 6;
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
@@ -197,7 +198,10 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_sm90_kernel(const Ver
   }
   __syncthreads();
   const int b = s_tile[0], row0 = s_tile[1];
-  if (b < 0) return;
+  if (b < 0) {
+    if (b == kMalformedBatch) poison_rows(p, blockIdx.x, blockIdx.y);
+    return;
+  }
 
   const int split = blockIdx.y;
   const auto [q_begin, nodes, rows_b, kv_begin, pre_begin, pre_end, pre_tiles, n_tiles] = cta_span(p, b, split);
@@ -384,12 +388,13 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_sm90_kernel(const Ver
     // ================= WG1, WG2: K gathers, O[:, 256h, +256) += P V =================
     const int h = wg - 1;
     const Idx* kv_indices = static_cast<const Idx*>(p.kv_indices) + kv_begin;
+    bool bad = false;  // met a prefix slot outside kv_cache (checked_slot)
     // Loader lanes: rows lr and lr + 16 of a tile, chunk lc of each of this warpgroup's blocks.
     const int lr = lt >> 3, lc = lt & 7;
     const uint32_t ld_off = lr * 128 + ((lc ^ (lr & 7)) << 4);  // (lr + 16) & 7 == lr & 7
     auto slot_of = [&](int u, int r) -> Idx {  // -1: not a prefix key of this split
       const int pos = pre_begin + u * kKeys + r;
-      return u < pre_tiles && pos < pre_end ? __ldg(kv_indices + pos) : Idx(-1);
+      return u < pre_tiles && pos < pre_end ? checked_slot(p, __ldg(kv_indices + pos), bad) : Idx(-1);
     };
     auto row_src = [&](int u, int r, Idx slot) -> const T* {
       if (u < pre_tiles) return slot >= 0 ? p.kv + static_cast<int64_t>(slot) * p.kv_stride : nullptr;
@@ -447,13 +452,23 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_sm90_kernel(const Ver
     }
 
     named_sync(kBarStats);
+    // Whether either loading warpgroup met a slot outside kv_cache; WG0's lse is written by now
+    // (kBarStats), so a bad CTA's NaN lse lands after it.
+    const bool bad_cta = bar_or<kBarLoaded, 2 * kWgThreads>(bad);
+    if (bad_cta && h == 0 && lt == 0) raise_guard(p.guard, kGuardKvSlot);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = half ? rB : rA, m = row0 + r;
       if (m >= rows_b) continue;
       const float l = s_sum[r];
-      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const float inv = bad_cta ? kNaN : l > 0.f ? 1.f / l : 0.f;
       const int node = m / p.heads, head = m - node * p.heads;
+      if (bad_cta && h == 0 && t4 == 0) {
+        if (direct)
+          p.lse[(q_begin + node) * p.lse_st + head * p.lse_sh] = kNaN;
+        else
+          p.part_lse[split * p.rows_total + static_cast<int64_t>(q_begin) * p.heads + m] = kNaN;
+      }
       if (direct) {
         T* dst = p.out + (q_begin + node) * p.out_st + head * p.out_sh + h * 256 + t4 * 2;
 #pragma unroll

@@ -51,6 +51,9 @@ constexpr int kConsumerRegs = 224, kProducerRegs = 56;
 constexpr float kMaxInit = -1e30f;
 // Named barriers between the two consumers (256 threads; 0 is __syncthreads).
 constexpr int kBarMax0 = 1, kBarMax1 = 2, kBarP0 = 3, kBarP1 = 4, kBarSum = 5;
+// The producer's last copy issued -> the consumers' epilogue, with whether it met a slot
+// outside kv_cache (bar_or over all three warpgroups).
+constexpr int kBarLoaded = 6;
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
@@ -251,7 +254,10 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
   }
   __syncthreads();
   const int b = s_tile[0], row0 = s_tile[1];
-  if (b < 0) return;
+  if (b < 0) {
+    if (b == kMalformedBatch) poison_rows(p, blockIdx.x, blockIdx.y);
+    return;
+  }
   // The split merge (launched behind this kernel) may be scheduled now; it waits for this
   // grid's completion before it reads anything.
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -286,8 +292,9 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
     // behind it (0 for a tree key or past the end). Slots fit int: they index a pool of
     // 1,152-byte rows in device memory.
     auto key_of = [&](int pair, int i) { return key_begin + pair * kPairKeys + (i >> 2) * kTileKeys + grp + 16 * (i & 3); };
+    bool bad = false;  // met a prefix slot outside kv_cache (checked_slot)
     auto slot_of = [&](int key) {
-      return key < prefix && key < key_end ? static_cast<int>(__ldg(kv_indices + key)) : 0;
+      return key < prefix && key < key_end ? static_cast<int>(checked_slot(p, __ldg(kv_indices + key), bad)) : 0;
     };
     // Row `key`'s first byte (row 0 of the pool past this CTA's keys, read as zeros).
     auto row_of = [&](int key, int slot) -> const T* {
@@ -336,6 +343,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
       for (int i = 4; i < 8; ++i) slot[i] = slot_of(key_of(pr + 1, i));
       free_parity ^= 1;
     }
+    bar_or<kBarLoaded, kThreads>(bad);
   } else {
     // ================= consumers =================
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
@@ -585,13 +593,14 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
       s_sum[wg * kRows + rB] = lB;
     }
     named_sync(kBarSum);
-    const bool direct = p.splits == 1;
+    const bool direct = p.splits == 1, bad = bar_or<kBarLoaded, kThreads>(false);
+    if (bad && tid == 0) raise_guard(p.guard, kGuardKvSlot);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = half ? rB : rA, m = row0 + r;
       if (m >= rows_b) continue;
       const float l = s_sum[r] + s_sum[kRows + r], mx = half ? runB : runA;
-      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const float inv = bad ? kNaN : l > 0.f ? 1.f / l : 0.f;
       const int node = m / p.heads, head = m - node * p.heads;
       if (direct) {
         T* dst = p.out + (q_begin + node) * p.out_st + head * p.out_sh + wg * 256 + t4 * 2;
@@ -606,7 +615,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
           *reinterpret_cast<float2*>(dst + j * 8) = make_float2(o[4 * j + 2 * half] * inv, o[4 * j + 2 * half + 1] * inv);
       }
       if (wg == 0 && t4 == 0) {
-        const float lse = l > 0.f ? (mx + __log2f(l)) * 0.69314718055994531f : -INFINITY;
+        const float lse = bad ? kNaN : l > 0.f ? (mx + __log2f(l)) * 0.69314718055994531f : -INFINITY;
         if (direct)
           p.lse[(q_begin + node) * p.lse_st + head * p.lse_sh] = lse;
         else
