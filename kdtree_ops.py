@@ -503,32 +503,43 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 _INT64_MAX = 2**63 - 1
 
 
+def _check(cond, message) -> None:
+    """torch._check with a fast path for the plain bools of eager calls (torch._check costs
+    microseconds per call, and a wrapper runs dozens per op); symbolic conditions, while a
+    fake impl traces, go to torch._check."""
+    if cond is True:
+        return
+    if cond is False:
+        raise RuntimeError(message())
+    torch._check(cond, message)
+
+
 def _check_int(name: str, value, lo: int, hi: Optional[int] = None) -> None:
     """A host int bound to a schema ``int`` (int64), in [lo, hi] (hi None: up to int64's
     largest): checked here, since the binding's own error for a Python int past int64 names
     neither the argument nor the range."""
-    torch._check(isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool),
+    _check(isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool),
                  lambda: f"kdtree: {name} must be an int, got {type(value).__name__}")
-    torch._check(lo <= value and value <= (_INT64_MAX if hi is None else hi),
+    _check(lo <= value and value <= (_INT64_MAX if hi is None else hi),
                  lambda: f"kdtree: {name} must be " + (f">= {lo} (an int64)" if hi is None else f"in [{lo}, {hi}]") + f", got {value}")
 
 
 def _check_on(t: torch.Tensor, name: str, like: torch.Tensor, like_name: str) -> None:
-    torch._check(t.device == like.device, lambda: f"kdtree: {name} must be on {like.device} like {like_name}, got {t.device}")
+    _check(t.device == like.device, lambda: f"kdtree: {name} must be on {like.device} like {like_name}, got {t.device}")
 
 
 def _check_index_vector(t: torch.Tensor, name: str) -> None:
-    torch._check(t.dim() == 1 and t.dtype in _INDEX_DTYPES,
+    _check(t.dim() == 1 and t.dtype in _INDEX_DTYPES,
                  lambda: f"kdtree: {name} must be 1-D int32 or int64, got {t.dtype} {tuple(t.shape)}")
-    torch._check(t.is_contiguous(), lambda: f"kdtree: {name} must be contiguous, got strides {t.stride()}")
+    _check(t.is_contiguous(), lambda: f"kdtree: {name} must be contiguous, got strides {t.stride()}")
 
 
 def _check_contiguous(t: torch.Tensor, name: str) -> None:
-    torch._check(t.is_contiguous(), lambda: f"kdtree: {name} must be contiguous, got strides {t.stride()}")
+    _check(t.is_contiguous(), lambda: f"kdtree: {name} must be contiguous, got strides {t.stride()}")
 
 
 def _check_last_contiguous(t: torch.Tensor, name: str) -> None:
-    torch._check(t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] <= 1,
+    _check(t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] <= 1,
                  lambda: f"kdtree: {name} must be contiguous in its last dim, got strides {t.stride()}")
 
 
@@ -598,14 +609,14 @@ def _merge_state_math(v_a, s_a, v_b, s_b):
 
 
 def _check_merge_args(v_a, s_a, v_b, s_b):
-    torch._check(v_a.dtype in (torch.float32, torch.bfloat16, torch.float16),
+    _check(v_a.dtype in (torch.float32, torch.bfloat16, torch.float16),
                  lambda: f"kdtree: v_a must be float32, bfloat16 or float16, got {v_a.dtype}")
     for name, v, s in (("a", v_a, s_a), ("b", v_b, s_b)):
-        torch._check(v.dim() == 3, lambda: f"kdtree: v_{name} must be [T, H, D], got {tuple(v.shape)}")
-        torch._check(v.shape == v_a.shape, lambda: f"kdtree: v_{name} must have shape {tuple(v_a.shape)}, got {tuple(v.shape)}")
-        torch._check(v.dtype == v_a.dtype, lambda: f"kdtree: v_{name} must be {v_a.dtype} like v_a, got {v.dtype}")
-        torch._check(s.dtype == torch.float32, lambda: f"kdtree: s_{name} must be float32, got {s.dtype}")
-        torch._check(s.shape == v_a.shape[:2], lambda: f"kdtree: s_{name} must have shape {tuple(v_a.shape[:2])}, got {tuple(s.shape)}")
+        _check(v.dim() == 3, lambda: f"kdtree: v_{name} must be [T, H, D], got {tuple(v.shape)}")
+        _check(v.shape == v_a.shape, lambda: f"kdtree: v_{name} must have shape {tuple(v_a.shape)}, got {tuple(v.shape)}")
+        _check(v.dtype == v_a.dtype, lambda: f"kdtree: v_{name} must be {v_a.dtype} like v_a, got {v.dtype}")
+        _check(s.dtype == torch.float32, lambda: f"kdtree: s_{name} must be float32, got {s.dtype}")
+        _check(s.shape == v_a.shape[:2], lambda: f"kdtree: s_{name} must have shape {tuple(v_a.shape[:2])}, got {tuple(s.shape)}")
         _check_last_contiguous(v, f"v_{name}")
         _check_on(v, f"v_{name}", v_a, "v_a")
         _check_on(s, f"s_{name}", v_a, "v_a")
@@ -686,34 +697,34 @@ def _rows_2d(t: torch.Tensor) -> torch.Tensor:
 
 
 def _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, out=None, lse=None):
-    torch._check(q.dim() == 3 and q.shape[2] == MLA_QK_DIM and q.shape[1] >= 1,
+    _check(q.dim() == 3 and q.shape[2] == MLA_QK_DIM and q.shape[1] >= 1,
                  lambda: f"kdtree: q must be [T, H >= 1, 576], got {tuple(q.shape)}")
-    torch._check(q.dtype in (torch.bfloat16, torch.float16), lambda: f"kdtree: q must be bfloat16 or float16, got {q.dtype}")
+    _check(q.dtype in (torch.bfloat16, torch.float16), lambda: f"kdtree: q must be bfloat16 or float16, got {q.dtype}")
     _check_last_contiguous(q, "q")
     for name, t in (("kv_cache", kv_cache), ("tree_k", tree_k)):
-        torch._check(
+        _check(
             (t.dim() == 2 and t.shape[1] == MLA_QK_DIM) or (t.dim() == 3 and t.shape[1] == 1 and t.shape[2] == MLA_QK_DIM),
             lambda: f"kdtree: {name} must be [S, 576] or [S, 1, 576], got {tuple(t.shape)}",
         )
-        torch._check(t.dtype == q.dtype, lambda: f"kdtree: {name} must be {q.dtype} like q, got {t.dtype}")
+        _check(t.dtype == q.dtype, lambda: f"kdtree: {name} must be {q.dtype} like q, got {t.dtype}")
         _check_last_contiguous(t, name)
-    torch._check(tree_k.shape[0] == q.shape[0], lambda: f"kdtree: tree_k must have {q.shape[0]} rows like q, got {tree_k.shape[0]}")
+    _check(tree_k.shape[0] == q.shape[0], lambda: f"kdtree: tree_k must have {q.shape[0]} rows like q, got {tree_k.shape[0]}")
     for name, t in (("kv_indptr", kv_indptr), ("qo_indptr", qo_indptr), ("kv_indices", kv_indices)):
         _check_index_vector(t, name)
-    torch._check(kv_indptr.shape[0] >= 1, lambda: "kdtree: kv_indptr must have batch + 1 >= 1 entries, got 0")
-    torch._check(kv_indptr.shape == qo_indptr.shape, lambda: f"kdtree: qo_indptr must have batch + 1 = {kv_indptr.shape[0]} entries like kv_indptr, got {qo_indptr.shape[0]}")
+    _check(kv_indptr.shape[0] >= 1, lambda: "kdtree: kv_indptr must have batch + 1 >= 1 entries, got 0")
+    _check(kv_indptr.shape == qo_indptr.shape, lambda: f"kdtree: qo_indptr must have batch + 1 = {kv_indptr.shape[0]} entries like kv_indptr, got {qo_indptr.shape[0]}")
     if tree_mask is not None:
-        torch._check(tree_mask.dim() == 2 and tree_mask.dtype == torch.int32 and tree_mask.shape[0] == q.shape[0] and tree_mask.shape[1] >= 1,
+        _check(tree_mask.dim() == 2 and tree_mask.dtype == torch.int32 and tree_mask.shape[0] == q.shape[0] and tree_mask.shape[1] >= 1,
                      lambda: f"kdtree: tree_mask must be int32 [{q.shape[0]}, ceil(max_nodes/32)], got {tree_mask.dtype} {tuple(tree_mask.shape)}")
         _check_last_contiguous(tree_mask, "tree_mask")
     T, H = q.shape[0], q.shape[1]
     if out is not None:
-        torch._check(tuple(out.shape) == (T, H, MLA_V_DIM), lambda: f"kdtree: out must be [{T}, {H}, {MLA_V_DIM}], got {tuple(out.shape)}")
-        torch._check(out.dtype == q.dtype, lambda: f"kdtree: out must be {q.dtype} like q, got {out.dtype}")
+        _check(tuple(out.shape) == (T, H, MLA_V_DIM), lambda: f"kdtree: out must be [{T}, {H}, {MLA_V_DIM}], got {tuple(out.shape)}")
+        _check(out.dtype == q.dtype, lambda: f"kdtree: out must be {q.dtype} like q, got {out.dtype}")
         _check_last_contiguous(out, "out")
     if lse is not None:
-        torch._check(tuple(lse.shape) == (T, H), lambda: f"kdtree: lse must be [{T}, {H}], got {tuple(lse.shape)}")
-        torch._check(lse.dtype == torch.float32, lambda: f"kdtree: lse must be float32, got {lse.dtype}")
+        _check(tuple(lse.shape) == (T, H), lambda: f"kdtree: lse must be [{T}, {H}], got {tuple(lse.shape)}")
+        _check(lse.dtype == torch.float32, lambda: f"kdtree: lse must be float32, got {lse.dtype}")
     for name, t in (("kv_cache", kv_cache), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("qo_indptr", qo_indptr),
                     ("tree_k", tree_k), ("tree_mask", tree_mask), ("out", out), ("lse", lse)):
         if t is not None:
@@ -906,7 +917,7 @@ def ancestor_mask(parents, num_nodes: Optional[int] = None) -> torch.Tensor:
 
 
 def _check_pack_tree_mask_args(mask):
-    torch._check(mask.dim() == 2 and mask.dtype in (torch.bool, torch.uint8),
+    _check(mask.dim() == 2 and mask.dtype in (torch.bool, torch.uint8),
                  lambda: f"kdtree: mask must be bool or uint8 [T, N], got {mask.dtype} {tuple(mask.shape)}")
     _check_last_contiguous(mask, "mask")
 
@@ -924,12 +935,12 @@ def _pack_tree_mask_fake(mask):
 
 
 def _check_sglang_mask_args(custom_mask, mask_indptr, qo_indptr, kv_indptr, num_rows, max_nodes):
-    torch._check(custom_mask.dim() == 1 and custom_mask.dtype in (torch.bool, torch.uint8),
+    _check(custom_mask.dim() == 1 and custom_mask.dtype in (torch.bool, torch.uint8),
                  lambda: f"kdtree: custom_mask must be 1-D bool or uint8, got {custom_mask.dtype} {tuple(custom_mask.shape)}")
     _check_contiguous(custom_mask, "custom_mask")
     for name, t in (("mask_indptr", mask_indptr), ("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr)):
         _check_index_vector(t, name)
-        torch._check(t.shape[0] == qo_indptr.shape[0] and t.shape[0] >= 1,
+        _check(t.shape[0] == qo_indptr.shape[0] and t.shape[0] >= 1,
                      lambda: f"kdtree: {name} must have batch + 1 = {qo_indptr.shape[0]} >= 1 entries like qo_indptr, got {t.shape[0]}")
         _check_on(t, name, custom_mask, "custom_mask")
     _check_int("num_rows", num_rows, 0)
@@ -1104,22 +1115,22 @@ def _build_tree_one(lp: list[list[float]], tok: list[list[int]], root: int, budg
 
 
 def _check_build_tree_args(topk_logprobs, topk_tokens, root_tokens, budget):
-    torch._check(topk_logprobs.dim() == 3, lambda: f"kdtree: topk_logprobs must be [B, L, K], got {tuple(topk_logprobs.shape)}")
-    torch._check(topk_logprobs.dtype == torch.float32, lambda: f"kdtree: topk_logprobs must be float32, got {topk_logprobs.dtype}")
-    torch._check(
+    _check(topk_logprobs.dim() == 3, lambda: f"kdtree: topk_logprobs must be [B, L, K], got {tuple(topk_logprobs.shape)}")
+    _check(topk_logprobs.dtype == torch.float32, lambda: f"kdtree: topk_logprobs must be float32, got {topk_logprobs.dtype}")
+    _check(
         topk_tokens.dtype in (torch.int32, torch.int64),
         lambda: f"kdtree: topk_tokens must be int32 or int64, got {topk_tokens.dtype}",
     )
-    torch._check(
+    _check(
         topk_tokens.shape == topk_logprobs.shape,
         lambda: f"kdtree: topk_tokens must have shape {tuple(topk_logprobs.shape)} like topk_logprobs, got {tuple(topk_tokens.shape)}",
     )
     B, L, K = topk_logprobs.shape
-    torch._check(root_tokens.dtype == torch.int64, lambda: f"kdtree: root_tokens must be int64, got {root_tokens.dtype}")
-    torch._check(root_tokens.shape == (B,), lambda: f"kdtree: root_tokens must have shape ({B},), got {tuple(root_tokens.shape)}")
+    _check(root_tokens.dtype == torch.int64, lambda: f"kdtree: root_tokens must be int64, got {root_tokens.dtype}")
+    _check(root_tokens.shape == (B,), lambda: f"kdtree: root_tokens must have shape ({B},), got {tuple(root_tokens.shape)}")
     _check_int("budget", budget, 1, MAX_TREE_BUDGET)
-    torch._check(1 <= L <= MAX_TREE_DEPTH, lambda: f"kdtree: topk_logprobs must have 1 to {MAX_TREE_DEPTH} positions (dim 1), got {L}")
-    torch._check(K >= 1, lambda: f"kdtree: topk_logprobs must have at least one rank (dim 2), got {K}")
+    _check(1 <= L <= MAX_TREE_DEPTH, lambda: f"kdtree: topk_logprobs must have 1 to {MAX_TREE_DEPTH} positions (dim 1), got {L}")
+    _check(K >= 1, lambda: f"kdtree: topk_logprobs must have at least one rank (dim 2), got {K}")
     for name, t in (("topk_logprobs", topk_logprobs), ("topk_tokens", topk_tokens), ("root_tokens", root_tokens)):
         _check_contiguous(t, name)
         _check_on(t, name, topk_logprobs, "topk_logprobs")
@@ -1241,7 +1252,7 @@ def draft_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     topk_tokens : Tensor [B, L, k], int64
     """
     if _eager():
-        torch._check(logits.dim() == 3 and logits.dtype in (torch.float32, torch.bfloat16, torch.float16),
+        _check(logits.dim() == 3 and logits.dtype in (torch.float32, torch.bfloat16, torch.float16),
                      lambda: f"kdtree: logits must be float32, bfloat16 or float16 [B, L, V], got {logits.dtype} {tuple(logits.shape)}")
         _check_int("k", k, 1, logits.shape[-1])
     values, tokens = torch.topk(logits, k, dim=-1, largest=True, sorted=True)
@@ -1283,11 +1294,11 @@ class VerifyMetadata(NamedTuple):
 
 def _check_prefix_lens(prefix_lens, like):
     B = like.shape[0]
-    torch._check(
+    _check(
         prefix_lens.dtype in (torch.int32, torch.int64),
         lambda: f"kdtree: prefix_lens must be int32 or int64, got {prefix_lens.dtype}",
     )
-    torch._check(prefix_lens.shape == (B,), lambda: f"kdtree: prefix_lens must have shape ({B},), got {tuple(prefix_lens.shape)}")
+    _check(prefix_lens.shape == (B,), lambda: f"kdtree: prefix_lens must have shape ({B},), got {tuple(prefix_lens.shape)}")
     _check_contiguous(prefix_lens, "prefix_lens")
     _check_on(prefix_lens, "prefix_lens", like, "the tree")
 
@@ -1297,8 +1308,8 @@ def _check_prefix_values(prefix_lens):
 
 
 def _check_tree_tensor(t, name, like, dtype):
-    torch._check(t.dtype == dtype, lambda: f"kdtree: {name} must be {dtype}, got {t.dtype}")
-    torch._check(t.shape == like.shape, lambda: f"kdtree: {name} must have shape {tuple(like.shape)}, got {tuple(t.shape)}")
+    _check(t.dtype == dtype, lambda: f"kdtree: {name} must be {dtype}, got {t.dtype}")
+    _check(t.shape == like.shape, lambda: f"kdtree: {name} must have shape {tuple(like.shape)}, got {tuple(t.shape)}")
     _check_contiguous(t, name)
     _check_on(t, name, like, "the tree")
 
@@ -1308,10 +1319,10 @@ _MAX_STAGED_NODES = 12 * 1024
 
 
 def _check_verify_metadata_args(depths, parents, prefix_lens):
-    torch._check(depths.dim() == 2, lambda: f"kdtree: depths must be [B, N], got {tuple(depths.shape)}")
+    _check(depths.dim() == 2, lambda: f"kdtree: depths must be [B, N], got {tuple(depths.shape)}")
     _check_tree_tensor(depths, "depths", depths, torch.int32)
     _check_tree_tensor(parents, "parents", depths, torch.int32)
-    torch._check(1 <= depths.shape[1] <= _MAX_STAGED_NODES,
+    _check(1 <= depths.shape[1] <= _MAX_STAGED_NODES,
                  lambda: f"kdtree: depths must have 1 to {_MAX_STAGED_NODES} nodes (dim 1), got {depths.shape[1]}")
     _check_prefix_lens(prefix_lens, depths)
 
@@ -1356,23 +1367,23 @@ def _verify_metadata_fake(depths, parents, prefix_lens, retrieve):
 
 
 def _check_flat_custom_mask_args(mask, prefix_lens, capacity, num_nodes=None):
-    torch._check(mask.dim() == 3, lambda: f"kdtree: mask must be [B, N, W], got {tuple(mask.shape)}")
-    torch._check(mask.dtype == torch.int32, lambda: f"kdtree: mask must be int32, got {mask.dtype}")
+    _check(mask.dim() == 3, lambda: f"kdtree: mask must be [B, N, W], got {tuple(mask.shape)}")
+    _check(mask.dtype == torch.int32, lambda: f"kdtree: mask must be int32, got {mask.dtype}")
     B, N, W = mask.shape
-    torch._check(
+    _check(
         1 <= N <= MAX_TREE_BUDGET + 1,
         lambda: f"kdtree: mask must have 1 to {MAX_TREE_BUDGET + 1} nodes (dim 1), got {N}",
     )
-    torch._check(W == (N + 31) // 32, lambda: f"kdtree: mask must have {(N + 31) // 32} words per row (dim 2), got {W}")
+    _check(W == (N + 31) // 32, lambda: f"kdtree: mask must have {(N + 31) // 32} words per row (dim 2), got {W}")
     _check_contiguous(mask, "mask")
     _check_prefix_lens(prefix_lens, mask)
     _check_int("capacity", capacity, 0)
     if num_nodes is not None:
-        torch._check(
+        _check(
             num_nodes.dtype in (torch.int32, torch.int64),
             lambda: f"kdtree: num_nodes must be int32 or int64, got {num_nodes.dtype}",
         )
-        torch._check(num_nodes.shape == (B,), lambda: f"kdtree: num_nodes must have shape ({B},), got {tuple(num_nodes.shape)}")
+        _check(num_nodes.shape == (B,), lambda: f"kdtree: num_nodes must have shape ({B},), got {tuple(num_nodes.shape)}")
         _check_contiguous(num_nodes, "num_nodes")
         _check_on(num_nodes, "num_nodes", mask, "mask")
 
@@ -1460,12 +1471,12 @@ def verify_metadata(
 
 
 def _check_accept_walk_args(parents, tokens, target_tokens, max_depth):
-    torch._check(parents.dim() == 2, lambda: f"kdtree: parents must be [B, N], got {tuple(parents.shape)}")
+    _check(parents.dim() == 2, lambda: f"kdtree: parents must be [B, N], got {tuple(parents.shape)}")
     _check_tree_tensor(parents, "parents", parents, torch.int32)
     _check_tree_tensor(tokens, "tokens", parents, torch.int64)
     _check_tree_tensor(target_tokens, "target_tokens", parents, torch.int64)
     N = parents.shape[1]
-    torch._check(
+    _check(
         1 <= N <= MAX_TREE_BUDGET + 1,
         lambda: f"kdtree: parents must have 1 to {MAX_TREE_BUDGET + 1} nodes (dim 1), got {N}",
     )
@@ -1644,28 +1655,28 @@ def _sglang_tree_one(lp, tok, budget: int, depth_bonus: float, log_budget: float
 
 
 def _check_sglang_tree_args(topk_logprobs, topk_tokens, budget, chain, outs):
-    torch._check(topk_logprobs.dim() == 3, lambda: f"kdtree: topk_logprobs must be [B, L, K], got {tuple(topk_logprobs.shape)}")
-    torch._check(topk_logprobs.dtype == torch.float32, lambda: f"kdtree: topk_logprobs must be float32, got {topk_logprobs.dtype}")
-    torch._check(topk_tokens.dtype == torch.int64, lambda: f"kdtree: topk_tokens must be int64, got {topk_tokens.dtype}")
-    torch._check(
+    _check(topk_logprobs.dim() == 3, lambda: f"kdtree: topk_logprobs must be [B, L, K], got {tuple(topk_logprobs.shape)}")
+    _check(topk_logprobs.dtype == torch.float32, lambda: f"kdtree: topk_logprobs must be float32, got {topk_logprobs.dtype}")
+    _check(topk_tokens.dtype == torch.int64, lambda: f"kdtree: topk_tokens must be int64, got {topk_tokens.dtype}")
+    _check(
         topk_tokens.shape == topk_logprobs.shape,
         lambda: f"kdtree: topk_tokens must have shape {tuple(topk_logprobs.shape)} like topk_logprobs, got {tuple(topk_tokens.shape)}",
     )
     B, L, K = topk_logprobs.shape
     _check_int("budget", budget, 1, MAX_TREE_BUDGET)
-    torch._check(1 <= L <= MAX_TREE_DEPTH, lambda: f"kdtree: topk_logprobs must have 1 to {MAX_TREE_DEPTH} positions (dim 1), got {L}")
-    torch._check(1 <= K <= (2**31 - 1) // MAX_TREE_DEPTH,
+    _check(1 <= L <= MAX_TREE_DEPTH, lambda: f"kdtree: topk_logprobs must have 1 to {MAX_TREE_DEPTH} positions (dim 1), got {L}")
+    _check(1 <= K <= (2**31 - 1) // MAX_TREE_DEPTH,
                  lambda: f"kdtree: topk_logprobs must have 1 to {(2**31 - 1) // MAX_TREE_DEPTH} ranks (dim 2), got {K}")
     for name, t in (("topk_logprobs", topk_logprobs), ("topk_tokens", topk_tokens)):
         _check_contiguous(t, name)
         _check_on(t, name, topk_logprobs, "topk_logprobs")
-    torch._check(not chain or budget == L, lambda: f"kdtree: chain needs budget == L, got budget {budget}, L {L}")
+    _check(not chain or budget == L, lambda: f"kdtree: chain needs budget == L, got budget {budget}, L {L}")
     D = budget + 1
     shapes = ((B, budget), (B, budget), (B, D), (B, D, D), (B,))
     dtypes = (torch.int64, torch.int64, torch.int64, torch.bool, torch.int64)
     for name, t, shape, dtype in zip(SGLangTree._fields, outs, shapes, dtypes):
-        torch._check(tuple(t.shape) == shape, lambda: f"kdtree: {name} must have shape {shape}, got {tuple(t.shape)}")
-        torch._check(t.dtype == dtype, lambda: f"kdtree: {name} must be {dtype}, got {t.dtype}")
+        _check(tuple(t.shape) == shape, lambda: f"kdtree: {name} must have shape {shape}, got {tuple(t.shape)}")
+        _check(t.dtype == dtype, lambda: f"kdtree: {name} must be {dtype}, got {t.dtype}")
         _check_contiguous(t, name)
         _check_on(t, name, topk_logprobs, "topk_logprobs")
 
@@ -1798,11 +1809,11 @@ class RetrieveAccept(NamedTuple):
 
 
 def _check_accept_retrieve_args(next_token, next_sibling, candidates, target_tokens, max_depth):
-    torch._check(next_token.dim() == 2, lambda: f"kdtree: next_token must be [B, D], got {tuple(next_token.shape)}")
+    _check(next_token.dim() == 2, lambda: f"kdtree: next_token must be [B, D], got {tuple(next_token.shape)}")
     for name, t in (("next_token", next_token), ("next_sibling", next_sibling), ("candidates", candidates),
                     ("target_tokens", target_tokens)):
         _check_tree_tensor(t, name, next_token, torch.int64)
-    torch._check(1 <= next_token.shape[1] <= 4 * _MAX_STAGED_NODES,
+    _check(1 <= next_token.shape[1] <= 4 * _MAX_STAGED_NODES,
                  lambda: f"kdtree: next_token must have 1 to {4 * _MAX_STAGED_NODES} nodes (dim 1), got {next_token.shape[1]}")
     _check_int("max_depth", max_depth, 0, _MAX_STAGED_NODES - 1)
 
@@ -1898,31 +1909,31 @@ def _row_bytes(kv: torch.Tensor) -> int:
 
 def _check_move_args(kv_layers, src_slots, dst_slots):
     for name, t in (("src_slots", src_slots), ("dst_slots", dst_slots)):
-        torch._check(t.dtype in (torch.int32, torch.int64), lambda: f"kdtree: {name} must be int32 or int64, got {t.dtype}")
-        torch._check(t.dim() == 1, lambda: f"kdtree: {name} must have 1 dims, got shape {tuple(t.shape)}")
-    torch._check(
+        _check(t.dtype in (torch.int32, torch.int64), lambda: f"kdtree: {name} must be int32 or int64, got {t.dtype}")
+        _check(t.dim() == 1, lambda: f"kdtree: {name} must have 1 dims, got shape {tuple(t.shape)}")
+    _check(
         dst_slots.dtype == src_slots.dtype,
         lambda: f"kdtree: dst_slots must be {src_slots.dtype} like src_slots, got {dst_slots.dtype}",
     )
-    torch._check(
+    _check(
         dst_slots.numel() == src_slots.numel(),
         lambda: f"kdtree: dst_slots must have {src_slots.numel()} entries like src_slots, got {dst_slots.numel()}",
     )
     if not kv_layers:
         return
     first = kv_layers[0]
-    torch._check(first.dim() >= 1, lambda: "kdtree: kv_layers[0] must be [S, ...], got a scalar")
+    _check(first.dim() >= 1, lambda: "kdtree: kv_layers[0] must be [S, ...], got a scalar")
     for i, kv in enumerate(kv_layers):
-        torch._check(
+        _check(
             kv.dim() >= 1 and kv.shape[0] == first.shape[0],
             lambda: f"kdtree: kv_layers[{i}] must have {first.shape[0]} slots like kv_layers[0], got shape {tuple(kv.shape)}",
         )
-        torch._check(
+        _check(
             _row_bytes(kv) == _row_bytes(first),
             lambda: f"kdtree: kv_layers[{i}] must have rows of {_row_bytes(first)} bytes like kv_layers[0], got {_row_bytes(kv)}",
         )
-        torch._check(kv.device == src_slots.device, lambda: f"kdtree: kv_layers[{i}] must be on {src_slots.device}, got {kv.device}")
-        torch._check(kv[0].is_contiguous() if kv.shape[0] else True, lambda: f"kdtree: kv_layers[{i}] must have contiguous rows (only dim 0 may be strided), got strides {kv.stride()}")
+        _check(kv.device == src_slots.device, lambda: f"kdtree: kv_layers[{i}] must be on {src_slots.device}, got {kv.device}")
+        _check(kv[0].is_contiguous() if kv.shape[0] else True, lambda: f"kdtree: kv_layers[{i}] must have contiguous rows (only dim 0 may be strided), got strides {kv.stride()}")
 
 
 def _check_move_slots(src, dst, slots: int, disjoint: bool) -> None:
