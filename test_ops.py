@@ -431,6 +431,7 @@ def _draft_kw(device):
 
 
 NAN_ROWS = "the kernel flags the error on the device and writes NaN rows"
+MASK_GUARD = "the row reads nothing and gets no bits; the kernel flags the error on the device"
 BAD_INPUTS = [
     BadInput("merge_state", "v_a float64", lambda d: kdtree_ops.merge_state(*[t.double() if t.dim() == 3 else t for t in _merge_kw(d).values()]),
              "v_a must be float32, bfloat16 or float16, got torch.float64"),
@@ -468,7 +469,7 @@ BAD_INPUTS = [
                "qo_indptr[-1] must be 5 (rows of q), got 4", NAN_ROWS),
     bad_verify("tree_mask narrower than a request's nodes", lambda kw, d: dict(tree_mask=kw["tree_mask"][:, :1]),
                "tree_mask must have at least 2 words per row (a request has 33 nodes), got 1",
-               "bits past the row's words read as unset", shape=([4], [33], 1), pool=64),
+               NAN_ROWS, shape=([4], [33], 1), pool=64),
     bad_call("pack_tree_mask", "mask float32", lambda d: dict(mask=torch.rand(3, 40, device=d)), lambda kw, d: {}, "mask must be bool or uint8 [T, N]"),
     bad_call("pack_tree_mask", "mask 1-D", lambda d: dict(mask=torch.rand(40, device=d) < 0.5), lambda kw, d: {}, "mask must be bool or uint8 [T, N]"),
     bad_call("sglang_mask_to_packed", "custom_mask float32", _sglang_mask_kw, lambda kw, d: dict(custom_mask=kw["custom_mask"].float()),
@@ -483,12 +484,12 @@ BAD_INPUTS = [
     bad_call("sglang_mask_to_packed", "num_rows = -1", _sglang_mask_kw, lambda kw, d: dict(num_rows=-1), "num_rows must be >= 0 (an int64), got -1"),
     bad_call("sglang_mask_to_packed", "max_nodes below a request's nodes", _sglang_mask_kw, lambda kw, d: dict(max_nodes=9),
              "max_nodes must be at least every request's node count, got 9 but request 1 has 33",
-             "bits of nodes past 32 * ceil(max_nodes / 32) are dropped"),
+             MASK_GUARD),
     bad_call("sglang_mask_to_packed", "num_rows below qo_indptr[-1]", _sglang_mask_kw, lambda kw, d: dict(num_rows=40),
              "qo_indptr[-1] must be at most 40 (num_rows), got 43", "rows past num_rows are dropped"),
     bad_call("sglang_mask_to_packed", "custom_mask shorter than its blocks", _sglang_mask_kw,
              lambda kw, d: dict(custom_mask=kw["custom_mask"][:-1]), "custom_mask must hold request 2's",
-             "reads past the end of custom_mask"),
+             MASK_GUARD),
     bad_call("draft_topk", "k = 0", _draft_kw, lambda kw, d: dict(k=0), "k must be in [1, 97], got 0"),
     bad_call("draft_topk", "k > V", _draft_kw, lambda kw, d: dict(k=98), "k must be in [1, 97], got 98"),
     bad_call("draft_topk", "k = 2^63", _draft_kw, lambda kw, d: dict(k=2**63), "k must be in [1, 97]"),
@@ -557,7 +558,7 @@ BAD_INPUTS = [
     bad_call("move_kv", "a layer on another device", _move_kw, lambda kw, d: dict(kv_layers=[kw["kv_layers"][0].to(other_device(d))]),
              "kv_layers[0] must be"),
     bad_call("move_kv", "src_slots = S", _move_kw, lambda kw, d: dict(src_slots=_set(kw["src_slots"], 1, 10)),
-             "src_slots/dst_slots must lie in [0, 10)", "the pair is skipped"),
+             "src_slots/dst_slots must lie in [0, 10)", "the pair is skipped; the device guard is flagged"),
     bad_call("move_kv", "dst_slots repeated", _move_kw, lambda kw, d: dict(dst_slots=_set(kw["dst_slots"], 1, 3)),
              "dst_slots must be distinct", "one of the pairs' rows lands"),
     bad_call("move_kv", "disjoint=True with a slot both source and destination", _move_kw,
