@@ -766,8 +766,10 @@ def _selfcheck(device: str) -> int:
         ms = (time.perf_counter() - start) * 1e3
         if device == "cuda":
             ref = call(_to_cpu(inputs))
-        elif name.startswith("verify"):
-            ref = call([x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs])
+        elif name.startswith("verify"):  # the float64 reference (the op takes bf16/fp16 only)
+            a = [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs]
+            mask = pack_tree_mask(a[6]) if len(a) > 6 else None
+            ref = kdtree_ops.verify_attn_reference(*a[:6], mask, 1 / math.sqrt(192))
         else:
             print(f"{name:24s} {device:7s} {'-':>12s} {ms:9.3f}  reference ran (no CUDA kernel to compare)")
             continue

@@ -531,6 +531,101 @@ def _fake(name: str):
 
 
 # --------------------------------------------------------------------------------------------
+# The argument contract, one per op, the same on every device. Host checks (dtypes, shapes,
+# devices, layouts, host ints) read no tensor data: the CPU reference, the fake impl and the
+# wrapper run them, before the CUDA impl's own C++ checks, so both devices raise the same
+# error. Value checks (index ranges, monotonic indptrs, mask coverage) read the data: the CPU
+# reference runs them always, the wrapper on CUDA tensors only under KDTREE_CHECK=1 (a host
+# sync). Every message names the argument and what it must be.
+# --------------------------------------------------------------------------------------------
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_INT64_MAX = 2**63 - 1
+
+
+def _check(cond, message) -> None:
+    """torch._check with a fast path for the plain bools of eager calls (torch._check costs
+    microseconds per call, and a wrapper runs dozens per op); symbolic conditions, while a
+    fake impl traces, go to torch._check."""
+    if cond is True:
+        return
+    if cond is False:
+        raise RuntimeError(message())
+    torch._check(cond, message)
+
+
+def _check_int(name: str, value, lo: int, hi: Optional[int] = None) -> None:
+    """A host int bound to a schema ``int`` (int64), in [lo, hi] (hi None: up to int64's
+    largest): checked here, since the binding's own error for a Python int past int64 names
+    neither the argument nor the range."""
+    _check(isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool),
+                 lambda: f"kdtree: {name} must be an int, got {type(value).__name__}")
+    _check(lo <= value and value <= (_INT64_MAX if hi is None else hi),
+                 lambda: f"kdtree: {name} must be " + (f">= {lo} (an int64)" if hi is None else f"in [{lo}, {hi}]") + f", got {value}")
+
+
+def _check_on(t: torch.Tensor, name: str, like: torch.Tensor, like_name: str) -> None:
+    _check(t.device == like.device, lambda: f"kdtree: {name} must be on {like.device} like {like_name}, got {t.device}")
+
+
+def _check_index_vector(t: torch.Tensor, name: str) -> None:
+    _check(t.dim() == 1 and t.dtype in _INDEX_DTYPES,
+                 lambda: f"kdtree: {name} must be 1-D int32 or int64, got {t.dtype} {tuple(t.shape)}")
+    _check(t.is_contiguous(), lambda: f"kdtree: {name} must be contiguous, got strides {t.stride()}")
+
+
+def _check_contiguous(t: torch.Tensor, name: str) -> None:
+    _check(t.is_contiguous(), lambda: f"kdtree: {name} must be contiguous, got strides {t.stride()}")
+
+
+def _check_last_contiguous(t: torch.Tensor, name: str) -> None:
+    _check(t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] <= 1,
+                 lambda: f"kdtree: {name} must be contiguous in its last dim, got strides {t.stride()}")
+
+
+def _fail(message: str):
+    raise RuntimeError("kdtree: " + message)
+
+
+def _check_indptr_values(ptr: torch.Tensor, name: str, end: Optional[int] = None, end_what: str = "",
+                         at_most: Optional[int] = None, at_most_what: str = "") -> list:
+    """Value check: ``ptr`` starts at 0, never decreases and ends at ``end`` (or at most at
+    ``at_most``); returns its entries as host ints."""
+    p = ptr.tolist()
+    if p[0] != 0:
+        _fail(f"{name} must start at 0, got {name}[0] = {p[0]}")
+    for i in range(1, len(p)):
+        if p[i] < p[i - 1]:
+            _fail(f"{name} must never decrease, got {name}[{i}] = {p[i]} < {name}[{i - 1}] = {p[i - 1]}")
+    if end is not None and p[-1] != end:
+        _fail(f"{name}[-1] must be {end} ({end_what}), got {p[-1]}")
+    if at_most is not None and p[-1] > at_most:
+        _fail(f"{name}[-1] must be at most {at_most} ({at_most_what}), got {p[-1]}")
+    return p
+
+
+def _check_range_values(t: torch.Tensor, name: str, lo: int, hi: Optional[int], what: str) -> None:
+    """Value check: every entry of ``t`` lies in [lo, hi) (hi None: >= lo)."""
+    bad = (t < lo) if hi is None else (t < lo) | (t >= hi)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        want = f"be >= {lo}" if hi is None else f"lie in [{lo}, {hi})"
+        _fail(f"{name} must {want} ({what}), got {name}[{i}] = {int(t[i])}")
+
+
+def _eager() -> bool:
+    """Whether a wrapper runs the host checks itself: not while torch.compile traces it (Dynamo
+    cannot trace the checks' messages; the fake impl runs the same checks on the traced shapes)."""
+    return not torch.compiler.is_compiling()
+
+
+def _value_checks(t: torch.Tensor) -> bool:
+    """Whether a wrapper runs the value checks on ``t``'s device: on CUDA under KDTREE_CHECK=1
+    (the CPU reference runs them itself), never while torch.compile traces it."""
+    return t.is_cuda and _eager() and check_mode()
+
+
+# --------------------------------------------------------------------------------------------
 # merge_state: LSE merge of two partial attention results
 # --------------------------------------------------------------------------------------------
 
@@ -554,15 +649,17 @@ def _merge_state_math(v_a, s_a, v_b, s_b):
 
 
 def _check_merge_args(v_a, s_a, v_b, s_b):
+    _check(v_a.dtype in (torch.float32, torch.bfloat16, torch.float16),
+                 lambda: f"kdtree: v_a must be float32, bfloat16 or float16, got {v_a.dtype}")
     for name, v, s in (("a", v_a, s_a), ("b", v_b, s_b)):
-        torch._check(v.dim() == 3, lambda: f"kdtree: v_{name} must be [T, H, D], got {tuple(v.shape)}")
-        torch._check(v.shape == v_a.shape, lambda: f"kdtree: v_{name} must have shape {tuple(v_a.shape)}, got {tuple(v.shape)}")
-        torch._check(v.dtype == v_a.dtype, lambda: f"kdtree: v_{name} must be {v_a.dtype} like v_a, got {v.dtype}")
-        torch._check(
-            s.dtype == torch.float32 or s.dtype == v_a.dtype == torch.float64,
-            lambda: f"kdtree: s_{name} must be float32, got {s.dtype}",
-        )
-        torch._check(s.shape == v_a.shape[:2], lambda: f"kdtree: s_{name} must have shape {tuple(v_a.shape[:2])}, got {tuple(s.shape)}")
+        _check(v.dim() == 3, lambda: f"kdtree: v_{name} must be [T, H, D], got {tuple(v.shape)}")
+        _check(v.shape == v_a.shape, lambda: f"kdtree: v_{name} must have shape {tuple(v_a.shape)}, got {tuple(v.shape)}")
+        _check(v.dtype == v_a.dtype, lambda: f"kdtree: v_{name} must be {v_a.dtype} like v_a, got {v.dtype}")
+        _check(s.dtype == torch.float32, lambda: f"kdtree: s_{name} must be float32, got {s.dtype}")
+        _check(s.shape == v_a.shape[:2], lambda: f"kdtree: s_{name} must have shape {tuple(v_a.shape[:2])}, got {tuple(s.shape)}")
+        _check_last_contiguous(v, f"v_{name}")
+        _check_on(v, f"v_{name}", v_a, "v_a")
+        _check_on(s, f"s_{name}", v_a, "v_a")
 
 
 @_define("merge_state(Tensor v_a, Tensor s_a, Tensor v_b, Tensor s_b) -> (Tensor, Tensor)")
@@ -589,7 +686,7 @@ def _merge_state_inplace_cpu(v_a, s_a, v_b, s_b):
 
 @_fake("merge_state_")
 def _merge_state_inplace_fake(v_a, s_a, v_b, s_b):
-    return None
+    _check_merge_args(v_a, s_a, v_b, s_b)
 
 
 def merge_state(
@@ -615,12 +712,16 @@ def merge_state(
     whose values are never read (they may be anything); a NaN or ``+inf`` in either partial
     makes that row's ``v`` and ``s`` NaN. NaN values of a non-empty partial propagate.
     """
+    if _eager():
+        _check_merge_args(v_a, s_a, v_b, s_b)
     _cuda_kernels_for(v_a)
     return torch.ops.kdtree.merge_state(v_a, s_a, v_b, s_b)
 
 
 def merge_state_(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor) -> None:
     """In-place :func:`merge_state`: the merged result overwrites ``v_a`` and ``s_a``."""
+    if _eager():
+        _check_merge_args(v_a, s_a, v_b, s_b)
     _cuda_kernels_for(v_a)
     torch.ops.kdtree.merge_state_(v_a, s_a, v_b, s_b)
 
@@ -635,26 +736,52 @@ def _rows_2d(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], t.shape[-1]) if t.dim() == 3 else t
 
 
-def _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask):
-    torch._check(q.dim() == 3 and q.shape[2] == MLA_QK_DIM, lambda: f"kdtree: q must be [T, H, 576], got {tuple(q.shape)}")
-    torch._check(q.dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64),
-                 lambda: f"kdtree: q must be bfloat16 or float16, got {q.dtype}")
+def _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, out=None, lse=None):
+    _check(q.dim() == 3 and q.shape[2] == MLA_QK_DIM and q.shape[1] >= 1,
+                 lambda: f"kdtree: q must be [T, H >= 1, 576], got {tuple(q.shape)}")
+    _check(q.dtype in (torch.bfloat16, torch.float16), lambda: f"kdtree: q must be bfloat16 or float16, got {q.dtype}")
+    _check_last_contiguous(q, "q")
     for name, t in (("kv_cache", kv_cache), ("tree_k", tree_k)):
-        torch._check(
+        _check(
             (t.dim() == 2 and t.shape[1] == MLA_QK_DIM) or (t.dim() == 3 and t.shape[1] == 1 and t.shape[2] == MLA_QK_DIM),
             lambda: f"kdtree: {name} must be [S, 576] or [S, 1, 576], got {tuple(t.shape)}",
         )
-        torch._check(t.dtype == q.dtype, lambda: f"kdtree: {name} must be {q.dtype} like q, got {t.dtype}")
-    torch._check(tree_k.shape[0] == q.shape[0], lambda: f"kdtree: tree_k must have {q.shape[0]} rows like q, got {tree_k.shape[0]}")
-    for name, t in (("kv_indptr", kv_indptr), ("qo_indptr", qo_indptr)):
-        torch._check(t.dim() == 1 and t.dtype in (torch.int32, torch.int64),
-                     lambda: f"kdtree: {name} must be 1-D int32 or int64, got {t.dtype} {tuple(t.shape)}")
-    torch._check(kv_indptr.shape == qo_indptr.shape, lambda: f"kdtree: qo_indptr must have batch + 1 = {kv_indptr.shape[0]} entries like kv_indptr, got {qo_indptr.shape[0]}")
-    torch._check(kv_indices.dim() == 1 and kv_indices.dtype in (torch.int32, torch.int64),
-                 lambda: f"kdtree: kv_indices must be 1-D int32 or int64, got {kv_indices.dtype} {tuple(kv_indices.shape)}")
+        _check(t.dtype == q.dtype, lambda: f"kdtree: {name} must be {q.dtype} like q, got {t.dtype}")
+        _check_last_contiguous(t, name)
+    _check(tree_k.shape[0] == q.shape[0], lambda: f"kdtree: tree_k must have {q.shape[0]} rows like q, got {tree_k.shape[0]}")
+    for name, t in (("kv_indptr", kv_indptr), ("qo_indptr", qo_indptr), ("kv_indices", kv_indices)):
+        _check_index_vector(t, name)
+    _check(kv_indptr.shape[0] >= 1, lambda: "kdtree: kv_indptr must have batch + 1 >= 1 entries, got 0")
+    _check(kv_indptr.shape == qo_indptr.shape, lambda: f"kdtree: qo_indptr must have batch + 1 = {kv_indptr.shape[0]} entries like kv_indptr, got {qo_indptr.shape[0]}")
     if tree_mask is not None:
-        torch._check(tree_mask.dim() == 2 and tree_mask.dtype == torch.int32 and tree_mask.shape[0] == q.shape[0],
+        _check(tree_mask.dim() == 2 and tree_mask.dtype == torch.int32 and tree_mask.shape[0] == q.shape[0] and tree_mask.shape[1] >= 1,
                      lambda: f"kdtree: tree_mask must be int32 [{q.shape[0]}, ceil(max_nodes/32)], got {tree_mask.dtype} {tuple(tree_mask.shape)}")
+        _check_last_contiguous(tree_mask, "tree_mask")
+    T, H = q.shape[0], q.shape[1]
+    if out is not None:
+        _check(tuple(out.shape) == (T, H, MLA_V_DIM), lambda: f"kdtree: out must be [{T}, {H}, {MLA_V_DIM}], got {tuple(out.shape)}")
+        _check(out.dtype == q.dtype, lambda: f"kdtree: out must be {q.dtype} like q, got {out.dtype}")
+        _check_last_contiguous(out, "out")
+    if lse is not None:
+        _check(tuple(lse.shape) == (T, H), lambda: f"kdtree: lse must be [{T}, {H}], got {tuple(lse.shape)}")
+        _check(lse.dtype == torch.float32, lambda: f"kdtree: lse must be float32, got {lse.dtype}")
+    for name, t in (("kv_cache", kv_cache), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("qo_indptr", qo_indptr),
+                    ("tree_k", tree_k), ("tree_mask", tree_mask), ("out", out), ("lse", lse)):
+        if t is not None:
+            _check_on(t, name, q, "q")
+
+
+def _check_verify_values(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask):
+    """Value check: indptrs from 0, non-decreasing, covering q's rows and within kv_indices;
+    every used slot a row of kv_cache; every request's nodes within tree_mask's words."""
+    kvp = _check_indptr_values(kv_indptr, "kv_indptr", at_most=kv_indices.shape[0], at_most_what="len(kv_indices)")
+    qo = _check_indptr_values(qo_indptr, "qo_indptr", end=q.shape[0], end_what="rows of q")
+    _check_range_values(kv_indices[: kvp[-1]], "kv_indices", 0, kv_cache.shape[0], "rows of kv_cache")
+    if tree_mask is not None:
+        nodes = max(b - a for a, b in zip(qo, qo[1:])) if len(qo) > 1 else 0
+        if nodes > 32 * tree_mask.shape[1]:
+            _fail(f"tree_mask must have at least {-(-nodes // 32)} words per row (a request has {nodes} nodes), "
+                  f"got {tree_mask.shape[1]}")
 
 
 def unpack_bits(words: torch.Tensor, n: int) -> torch.Tensor:
@@ -699,6 +826,7 @@ def verify_attn_reference(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k,
 )
 def _verify_attn_cpu(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale, max_kv_len=-1):
     _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask)
+    _check_verify_values(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask)
     return verify_attn_reference(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale)
 
 
@@ -714,7 +842,8 @@ def _verify_attn_fake(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tre
     "Tensor tree_k, Tensor? tree_mask, float sm_scale, Tensor(a!) out, Tensor(b!) lse, int max_kv_len=-1) -> ()"
 )
 def _verify_attn_out_cpu(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale, out, lse, max_kv_len=-1):
-    _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask)
+    _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, out, lse)
+    _check_verify_values(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask)
     o, s = verify_attn_reference(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale)
     out.copy_(o)
     lse.copy_(s)
@@ -722,30 +851,7 @@ def _verify_attn_out_cpu(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, 
 
 @_fake("verify_attn_out")
 def _verify_attn_out_fake(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale, out, lse, max_kv_len=-1):
-    _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask)
-
-
-def _validate_verify_indices(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, max_nodes=None):
-    """KDTREE_CHECK mode: device-side range checks, raised as errors (syncs the host)."""
-    S, T = kv_cache.shape[0], q.shape[0]
-    kvp, qo = kv_indptr.long(), qo_indptr.long()
-    problems = []
-    if kvp[0].item() != 0 or bool((kvp[1:] < kvp[:-1]).any()):
-        problems.append("kv_indptr must start at 0 and be non-decreasing")
-    elif kvp[-1].item() > kv_indices.shape[0]:
-        problems.append(f"kv_indptr[-1]={kvp[-1].item()} exceeds len(kv_indices)={kv_indices.shape[0]}")
-    elif kvp[-1].item() > 0:
-        used = kv_indices[: kvp[-1].item()]
-        if bool((used < 0).any()) or bool((used >= S).any()):
-            problems.append(f"kv_indices must lie in [0, {S}) (rows of kv_cache)")
-    if qo[0].item() != 0 or bool((qo[1:] < qo[:-1]).any()) or qo[-1].item() != T:
-        problems.append(f"qo_indptr must start at 0, be non-decreasing and end at T={T}")
-    elif tree_mask is not None:
-        most = int((qo[1:] - qo[:-1]).max().item()) if qo.numel() > 1 else 0
-        if most > 32 * tree_mask.shape[1]:
-            problems.append(f"tree_mask has {tree_mask.shape[1]} words per row but a request has {most} nodes")
-    if problems:
-        raise ValueError("kdtree: verify_attn input check failed: " + "; ".join(problems))
+    _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, out, lse)
 
 
 def verify_attn(
@@ -803,10 +909,14 @@ def verify_attn(
     lse : Tensor [T, H], float32, natural-log log-sum-exp of each row's scores
         (``-inf`` for a row that sees nothing; its output is 0).
     """
+    if _eager():
+        _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, out, lse)
+        if max_kv_len is not None:
+            _check_int("max_kv_len", max_kv_len, 0)
+    if _value_checks(q):
+        _check_verify_values(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask)
     _cuda_kernels_for(q)
-    if check_mode():
-        _validate_verify_indices(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask)
-    hint = -1 if max_kv_len is None else int(max_kv_len)
+    hint = -1 if max_kv_len is None else max_kv_len
     if out is None and lse is None:
         return torch.ops.kdtree.verify_attn(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale, hint)
     if out is None:
@@ -846,16 +956,50 @@ def ancestor_mask(parents, num_nodes: Optional[int] = None) -> torch.Tensor:
     return mask
 
 
+def _check_pack_tree_mask_args(mask):
+    _check(mask.dim() == 2 and mask.dtype in (torch.bool, torch.uint8),
+                 lambda: f"kdtree: mask must be bool or uint8 [T, N], got {mask.dtype} {tuple(mask.shape)}")
+    _check_last_contiguous(mask, "mask")
+
+
 @_define("pack_tree_mask(Tensor mask) -> Tensor")
 def _pack_tree_mask_cpu(mask):
-    torch._check(mask.dim() == 2 and mask.dtype in (torch.bool, torch.uint8),
-                 lambda: f"kdtree: mask must be bool or uint8 [T, N], got {mask.dtype} {tuple(mask.shape)}")
+    _check_pack_tree_mask_args(mask)
     return pack_bits(mask != 0, max(1, -(-mask.shape[1] // 32)))
 
 
 @_fake("pack_tree_mask")
 def _pack_tree_mask_fake(mask):
+    _check_pack_tree_mask_args(mask)
     return mask.new_empty(mask.shape[0], max(1, -(-mask.shape[1] // 32)), dtype=torch.int32)
+
+
+def _check_sglang_mask_args(custom_mask, mask_indptr, qo_indptr, kv_indptr, num_rows, max_nodes):
+    _check(custom_mask.dim() == 1 and custom_mask.dtype in (torch.bool, torch.uint8),
+                 lambda: f"kdtree: custom_mask must be 1-D bool or uint8, got {custom_mask.dtype} {tuple(custom_mask.shape)}")
+    _check_contiguous(custom_mask, "custom_mask")
+    for name, t in (("mask_indptr", mask_indptr), ("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr)):
+        _check_index_vector(t, name)
+        _check(t.shape[0] == qo_indptr.shape[0] and t.shape[0] >= 1,
+                     lambda: f"kdtree: {name} must have batch + 1 = {qo_indptr.shape[0]} >= 1 entries like qo_indptr, got {t.shape[0]}")
+        _check_on(t, name, custom_mask, "custom_mask")
+    _check_int("num_rows", num_rows, 0)
+    _check_int("max_nodes", max_nodes, 1)
+
+
+def _check_sglang_mask_values(custom_mask, mask_indptr, qo_indptr, kv_indptr, num_rows, max_nodes):
+    """Value check: indptrs from 0 and non-decreasing, every request within num_rows rows and
+    max_nodes nodes, and its block within custom_mask."""
+    qo = _check_indptr_values(qo_indptr, "qo_indptr", at_most=num_rows, at_most_what="num_rows")
+    kvp = _check_indptr_values(kv_indptr, "kv_indptr")
+    mip = _check_indptr_values(mask_indptr, "mask_indptr")
+    for b in range(len(qo) - 1):
+        n, prefix = qo[b + 1] - qo[b], kvp[b + 1] - kvp[b]
+        if n > max_nodes:
+            _fail(f"max_nodes must be at least every request's node count, got {max_nodes} but request {b} has {n}")
+        if mip[b] + n * (prefix + n) > custom_mask.shape[0]:
+            _fail(f"custom_mask must hold request {b}'s {n} x {prefix + n} block from mask_indptr[{b}] = {mip[b]}, "
+                  f"got {custom_mask.shape[0]} entries")
 
 
 @_define(
@@ -863,6 +1007,8 @@ def _pack_tree_mask_fake(mask):
     "int num_rows, int max_nodes) -> Tensor"
 )
 def _sglang_mask_to_packed_cpu(custom_mask, mask_indptr, qo_indptr, kv_indptr, num_rows, max_nodes):
+    _check_sglang_mask_args(custom_mask, mask_indptr, qo_indptr, kv_indptr, num_rows, max_nodes)
+    _check_sglang_mask_values(custom_mask, mask_indptr, qo_indptr, kv_indptr, num_rows, max_nodes)
     words = -(-max_nodes // 32)
     out = torch.zeros(num_rows, words, dtype=torch.int32)
     qo, kvp, mip = qo_indptr.tolist(), kv_indptr.tolist(), mask_indptr.tolist()
@@ -875,6 +1021,7 @@ def _sglang_mask_to_packed_cpu(custom_mask, mask_indptr, qo_indptr, kv_indptr, n
 
 @_fake("sglang_mask_to_packed")
 def _sglang_mask_to_packed_fake(custom_mask, mask_indptr, qo_indptr, kv_indptr, num_rows, max_nodes):
+    _check_sglang_mask_args(custom_mask, mask_indptr, qo_indptr, kv_indptr, num_rows, max_nodes)
     return qo_indptr.new_empty(num_rows, -(-max_nodes // 32), dtype=torch.int32)
 
 
@@ -890,6 +1037,8 @@ def pack_tree_mask(mask: torch.Tensor) -> torch.Tensor:
     -------
     Tensor [T, ceil(N / 32)], int32: bit ``j % 32`` of word ``j // 32`` = ``mask[i, j]``.
     """
+    if _eager():
+        _check_pack_tree_mask_args(mask)
     _cuda_kernels_for(mask)
     return torch.ops.kdtree.pack_tree_mask(mask)
 
@@ -910,10 +1059,11 @@ def sglang_mask_to_packed(
     custom_mask : Tensor [total], bool or uint8
         Request b's block starts at ``mask_indptr[b]``: nodes rows x (prefix + nodes) columns,
         row-major; the tree part starts at column ``prefix``.
-    mask_indptr : Tensor [B + 1], int64
-    qo_indptr : Tensor [B + 1], int32
-        Rows (tree nodes) per request.
-    kv_indptr : Tensor [B + 1], int32
+    mask_indptr : Tensor [B + 1], int32 or int64
+        Block starts; each block must lie within custom_mask.
+    qo_indptr : Tensor [B + 1], int32 or int64
+        Rows (tree nodes) per request, from 0, non-decreasing, ending at most at num_rows.
+    kv_indptr : Tensor [B + 1], int32 or int64
         Prefix lengths per request (prefix only, as in SGLang's TARGET_VERIFY metadata).
     num_rows, max_nodes : int, optional
         T and the largest node count; pass them (host ints) under CUDA-graph capture. When
@@ -925,8 +1075,14 @@ def sglang_mask_to_packed(
     """
     if num_rows is None or max_nodes is None:
         qo = qo_indptr.long().cpu()
-        num_rows = int(qo[-1]) if num_rows is None else num_rows
-        max_nodes = max(1, int((qo[1:] - qo[:-1]).max())) if max_nodes is None and qo.numel() > 1 else (max_nodes or 1)
+        if num_rows is None:
+            num_rows = int(qo[-1]) if qo.numel() else 0
+        if max_nodes is None:
+            max_nodes = max(1, int((qo[1:] - qo[:-1]).max())) if qo.numel() > 1 else 1
+    if _eager():
+        _check_sglang_mask_args(custom_mask, mask_indptr, qo_indptr, kv_indptr, num_rows, max_nodes)
+    if _value_checks(custom_mask):
+        _check_sglang_mask_values(custom_mask, mask_indptr, qo_indptr, kv_indptr, num_rows, max_nodes)
     _cuda_kernels_for(custom_mask)
     return torch.ops.kdtree.sglang_mask_to_packed(custom_mask, mask_indptr, qo_indptr, kv_indptr, num_rows, max_nodes)
 
@@ -999,27 +1155,51 @@ def _build_tree_one(lp: list[list[float]], tok: list[list[int]], root: int, budg
 
 
 def _check_build_tree_args(topk_logprobs, topk_tokens, root_tokens, budget):
-    torch._check(topk_logprobs.dim() == 3, lambda: f"kdtree: topk_logprobs must be [B, L, K], got {tuple(topk_logprobs.shape)}")
-    torch._check(topk_logprobs.dtype == torch.float32, lambda: f"kdtree: topk_logprobs must be float32, got {topk_logprobs.dtype}")
-    torch._check(
+    _check(topk_logprobs.dim() == 3, lambda: f"kdtree: topk_logprobs must be [B, L, K], got {tuple(topk_logprobs.shape)}")
+    _check(topk_logprobs.dtype == torch.float32, lambda: f"kdtree: topk_logprobs must be float32, got {topk_logprobs.dtype}")
+    _check(
         topk_tokens.dtype in (torch.int32, torch.int64),
         lambda: f"kdtree: topk_tokens must be int32 or int64, got {topk_tokens.dtype}",
     )
-    torch._check(
+    _check(
         topk_tokens.shape == topk_logprobs.shape,
         lambda: f"kdtree: topk_tokens must have shape {tuple(topk_logprobs.shape)} like topk_logprobs, got {tuple(topk_tokens.shape)}",
     )
     B, L, K = topk_logprobs.shape
-    torch._check(root_tokens.dtype == torch.int64, lambda: f"kdtree: root_tokens must be int64, got {root_tokens.dtype}")
-    torch._check(root_tokens.shape == (B,), lambda: f"kdtree: root_tokens must have shape ({B},), got {tuple(root_tokens.shape)}")
-    torch._check(1 <= budget <= MAX_TREE_BUDGET, lambda: f"kdtree: budget must be in [1, {MAX_TREE_BUDGET}], got {budget}")
-    torch._check(1 <= L <= MAX_TREE_DEPTH, lambda: f"kdtree: topk_logprobs must have 1 to {MAX_TREE_DEPTH} positions (dim 1), got {L}")
-    torch._check(K >= 1, lambda: f"kdtree: topk_logprobs must have at least one rank (dim 2), got {K}")
+    _check(root_tokens.dtype == torch.int64, lambda: f"kdtree: root_tokens must be int64, got {root_tokens.dtype}")
+    _check(root_tokens.shape == (B,), lambda: f"kdtree: root_tokens must have shape ({B},), got {tuple(root_tokens.shape)}")
+    _check_int("budget", budget, 1, MAX_TREE_BUDGET)
+    _check(1 <= L <= MAX_TREE_DEPTH, lambda: f"kdtree: topk_logprobs must have 1 to {MAX_TREE_DEPTH} positions (dim 1), got {L}")
+    _check(K >= 1, lambda: f"kdtree: topk_logprobs must have at least one rank (dim 2), got {K}")
+    for name, t in (("topk_logprobs", topk_logprobs), ("topk_tokens", topk_tokens), ("root_tokens", root_tokens)):
+        _check_contiguous(t, name)
+        _check_on(t, name, topk_logprobs, "topk_logprobs")
+
+
+def _check_sorted_logprobs(topk_logprobs):
+    """Value check: no NaN, and each position's ranks sorted descending (what the best-first
+    build takes as the order of a node's children)."""
+    nan = torch.isnan(topk_logprobs)
+    if bool(nan.any()):
+        b, l, k = nan.nonzero()[0].tolist()
+        _fail(f"topk_logprobs must not be NaN, got topk_logprobs[{b}, {l}, {k}] = nan")
+    up = topk_logprobs[..., 1:] > topk_logprobs[..., :-1]
+    if bool(up.any()):
+        b, l, k = up.nonzero()[0].tolist()
+        _fail(f"topk_logprobs must be sorted descending along dim 2, got topk_logprobs[{b}, {l}, {k}:{k + 2}] = "
+              f"{topk_logprobs[b, l, k:k + 2].tolist()}")
 
 
 @_define("build_tree(Tensor topk_logprobs, Tensor topk_tokens, Tensor root_tokens, int budget) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 def _build_tree_cpu(topk_logprobs, topk_tokens, root_tokens, budget):
     _check_build_tree_args(topk_logprobs, topk_tokens, root_tokens, budget)
+    _check_sorted_logprobs(topk_logprobs)
+    return _build_tree_reference(topk_logprobs, topk_tokens, root_tokens, budget)
+
+
+def _build_tree_reference(topk_logprobs, topk_tokens, root_tokens, budget):
+    """The heap build on whatever log-probs it is given (the CUDA build replays the same heap,
+    unsorted ranks included)."""
     B, L, K = topk_logprobs.shape
     N, W = budget + 1, (budget + 32) // 32
     keff = min(K, budget)
@@ -1066,7 +1246,8 @@ def build_tree(
     Best-first, exactly as the paper's heap: node scores are float32 sums of log-probs in depth
     order, ties broken by rank tuple (lexicographic, a prefix first); only the top
     ``min(K, budget)`` ranks per position are used. The tree has ``min(budget, number of
-    possible prefixes)`` nodes besides the root. Log-probs must not be NaN.
+    possible prefixes)`` nodes besides the root. Log-probs must not be NaN and must be sorted
+    descending per position (checked on the CPU, and on CUDA under ``KDTREE_CHECK=1``).
 
     Parameters
     ----------
@@ -1085,6 +1266,10 @@ def build_tree(
         ``tokens [B, N]`` int64, ``parents [B, N]`` int32, ``depths [B, N]`` int32,
         ``num_nodes [B]`` int32, ``mask [B, N, ceil(N / 32)]`` int32 (see :class:`Tree`).
     """
+    if _eager():
+        _check_build_tree_args(topk_logprobs, topk_tokens, root_tokens, budget)
+    if _value_checks(topk_logprobs):
+        _check_sorted_logprobs(topk_logprobs)
     _cuda_kernels_for(topk_logprobs)
     return Tree(*torch.ops.kdtree.build_tree(topk_logprobs, topk_tokens, root_tokens, budget))
 
@@ -1106,6 +1291,10 @@ def draft_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     topk_logprobs : Tensor [B, L, k], float32, sorted descending (log-softmax values)
     topk_tokens : Tensor [B, L, k], int64
     """
+    if _eager():
+        _check(logits.dim() == 3 and logits.dtype in (torch.float32, torch.bfloat16, torch.float16),
+                     lambda: f"kdtree: logits must be float32, bfloat16 or float16 [B, L, V], got {logits.dtype} {tuple(logits.shape)}")
+        _check_int("k", k, 1, logits.shape[-1])
     values, tokens = torch.topk(logits, k, dim=-1, largest=True, sorted=True)
     lse = torch.logsumexp(logits.float(), dim=-1, keepdim=True)
     return values.float() - lse, tokens
@@ -1143,29 +1332,45 @@ class VerifyMetadata(NamedTuple):
     retrieve_next_sibling: Optional[torch.Tensor]
 
 
-def _check_prefix_lens(prefix_lens, B):
-    torch._check(
+def _check_prefix_lens(prefix_lens, like):
+    B = like.shape[0]
+    _check(
         prefix_lens.dtype in (torch.int32, torch.int64),
         lambda: f"kdtree: prefix_lens must be int32 or int64, got {prefix_lens.dtype}",
     )
-    torch._check(prefix_lens.shape == (B,), lambda: f"kdtree: prefix_lens must have shape ({B},), got {tuple(prefix_lens.shape)}")
+    _check(prefix_lens.shape == (B,), lambda: f"kdtree: prefix_lens must have shape ({B},), got {tuple(prefix_lens.shape)}")
+    _check_contiguous(prefix_lens, "prefix_lens")
+    _check_on(prefix_lens, "prefix_lens", like, "the tree")
+
+
+def _check_prefix_values(prefix_lens):
+    _check_range_values(prefix_lens, "prefix_lens", 0, None, "token counts")
 
 
 def _check_tree_tensor(t, name, like, dtype):
-    torch._check(t.dtype == dtype, lambda: f"kdtree: {name} must be {dtype}, got {t.dtype}")
-    torch._check(t.shape == like.shape, lambda: f"kdtree: {name} must have shape {tuple(like.shape)}, got {tuple(t.shape)}")
+    _check(t.dtype == dtype, lambda: f"kdtree: {name} must be {dtype}, got {t.dtype}")
+    _check(t.shape == like.shape, lambda: f"kdtree: {name} must have shape {tuple(like.shape)}, got {tuple(t.shape)}")
+    _check_contiguous(t, name)
+    _check_on(t, name, like, "the tree")
+
+
+# Tree tensors the CUDA kernels stage per request in 48 KB of shared memory.
+_MAX_STAGED_NODES = 12 * 1024
 
 
 def _check_verify_metadata_args(depths, parents, prefix_lens):
-    torch._check(depths.dim() == 2, lambda: f"kdtree: depths must be [B, N], got {tuple(depths.shape)}")
+    _check(depths.dim() == 2, lambda: f"kdtree: depths must be [B, N], got {tuple(depths.shape)}")
     _check_tree_tensor(depths, "depths", depths, torch.int32)
     _check_tree_tensor(parents, "parents", depths, torch.int32)
-    _check_prefix_lens(prefix_lens, depths.shape[0])
+    _check(1 <= depths.shape[1] <= _MAX_STAGED_NODES,
+                 lambda: f"kdtree: depths must have 1 to {_MAX_STAGED_NODES} nodes (dim 1), got {depths.shape[1]}")
+    _check_prefix_lens(prefix_lens, depths)
 
 
 @_define("verify_metadata(Tensor depths, Tensor parents, Tensor prefix_lens, bool retrieve) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 def _verify_metadata_cpu(depths, parents, prefix_lens, retrieve):
     _check_verify_metadata_args(depths, parents, prefix_lens)
+    _check_prefix_values(prefix_lens)
     B, N = depths.shape
     positions = (prefix_lens.to(torch.int64)[:, None] + depths.to(torch.int64)).reshape(-1)
     qo_indptr = (torch.arange(B + 1, dtype=torch.int32) * N).to(depths.device)
@@ -1202,31 +1407,35 @@ def _verify_metadata_fake(depths, parents, prefix_lens, retrieve):
 
 
 def _check_flat_custom_mask_args(mask, prefix_lens, capacity, num_nodes=None):
-    torch._check(mask.dim() == 3, lambda: f"kdtree: mask must be [B, N, W], got {tuple(mask.shape)}")
-    torch._check(mask.dtype == torch.int32, lambda: f"kdtree: mask must be int32, got {mask.dtype}")
+    _check(mask.dim() == 3, lambda: f"kdtree: mask must be [B, N, W], got {tuple(mask.shape)}")
+    _check(mask.dtype == torch.int32, lambda: f"kdtree: mask must be int32, got {mask.dtype}")
     B, N, W = mask.shape
-    torch._check(
+    _check(
         1 <= N <= MAX_TREE_BUDGET + 1,
         lambda: f"kdtree: mask must have 1 to {MAX_TREE_BUDGET + 1} nodes (dim 1), got {N}",
     )
-    torch._check(W == (N + 31) // 32, lambda: f"kdtree: mask must have {(N + 31) // 32} words per row (dim 2), got {W}")
-    _check_prefix_lens(prefix_lens, B)
-    torch._check(capacity >= 0, lambda: f"kdtree: capacity must be >= 0, got {capacity}")
+    _check(W == (N + 31) // 32, lambda: f"kdtree: mask must have {(N + 31) // 32} words per row (dim 2), got {W}")
+    _check_contiguous(mask, "mask")
+    _check_prefix_lens(prefix_lens, mask)
+    _check_int("capacity", capacity, 0)
     if num_nodes is not None:
-        torch._check(
+        _check(
             num_nodes.dtype in (torch.int32, torch.int64),
             lambda: f"kdtree: num_nodes must be int32 or int64, got {num_nodes.dtype}",
         )
-        torch._check(num_nodes.shape == (B,), lambda: f"kdtree: num_nodes must have shape ({B},), got {tuple(num_nodes.shape)}")
+        _check(num_nodes.shape == (B,), lambda: f"kdtree: num_nodes must have shape ({B},), got {tuple(num_nodes.shape)}")
+        _check_contiguous(num_nodes, "num_nodes")
+        _check_on(num_nodes, "num_nodes", mask, "mask")
 
 
 @_define("flat_custom_mask(Tensor mask, Tensor prefix_lens, int capacity, Tensor? num_nodes=None) -> (Tensor, Tensor)")
 def _flat_custom_mask_cpu(mask, prefix_lens, capacity, num_nodes=None):
     _check_flat_custom_mask_args(mask, prefix_lens, capacity, num_nodes)
+    _check_prefix_values(prefix_lens)
     B, N, W = mask.shape
     j = torch.arange(N)
     bits = ((mask[:, :, j // 32] >> (j % 32)) & 1).bool()  # [B, N, N]
-    lens = prefix_lens.to(torch.int64).clamp_min(0)
+    lens = prefix_lens.to(torch.int64)
     live = [N] * B if num_nodes is None else num_nodes.to(torch.int64).clamp(0, N).tolist()
     mask_indptr = torch.zeros(B + 1, dtype=torch.int64)
     mask_indptr[1:] = torch.cumsum(N * (lens + N), 0)
@@ -1283,6 +1492,12 @@ def verify_metadata(
         ``custom_mask [capacity]`` bool + ``mask_indptr [B+1]`` int64 and the three
         ``retrieve_* [B, N]`` int64 arrays (None otherwise).
     """
+    if _eager():
+        _check_verify_metadata_args(tree.depths, tree.parents, prefix_lens)
+        if custom_mask_capacity is not None:
+            _check_flat_custom_mask_args(tree.mask, prefix_lens, custom_mask_capacity)
+    if _value_checks(prefix_lens):
+        _check_prefix_values(prefix_lens)
     _cuda_kernels_for(tree.depths)
     positions, qo_indptr, r_index, r_next, r_sibling = torch.ops.kdtree.verify_metadata(
         tree.depths, tree.parents, prefix_lens, retrieve
@@ -1296,16 +1511,16 @@ def verify_metadata(
 
 
 def _check_accept_walk_args(parents, tokens, target_tokens, max_depth):
-    torch._check(parents.dim() == 2, lambda: f"kdtree: parents must be [B, N], got {tuple(parents.shape)}")
+    _check(parents.dim() == 2, lambda: f"kdtree: parents must be [B, N], got {tuple(parents.shape)}")
     _check_tree_tensor(parents, "parents", parents, torch.int32)
     _check_tree_tensor(tokens, "tokens", parents, torch.int64)
     _check_tree_tensor(target_tokens, "target_tokens", parents, torch.int64)
     N = parents.shape[1]
-    torch._check(
+    _check(
         1 <= N <= MAX_TREE_BUDGET + 1,
         lambda: f"kdtree: parents must have 1 to {MAX_TREE_BUDGET + 1} nodes (dim 1), got {N}",
     )
-    torch._check(max_depth >= 0, lambda: f"kdtree: max_depth must be >= 0, got {max_depth}")
+    _check_int("max_depth", max_depth, 0, 2**31 - 2)
 
 
 @_define("accept_walk(Tensor parents, Tensor tokens, Tensor target_tokens, int max_depth) -> (Tensor, Tensor, Tensor)")
@@ -1366,6 +1581,8 @@ def accept_walk(
         The final ``next``: the target's token after the last accepted node.
     """
     depth = tree.parents.shape[1] - 1 if max_depth is None else max_depth
+    if _eager():
+        _check_accept_walk_args(tree.parents, tree.tokens, target_tokens, depth)
     _cuda_kernels_for(tree.parents)
     return torch.ops.kdtree.accept_walk(tree.parents, tree.tokens, target_tokens, depth)
 
@@ -1396,6 +1613,10 @@ def flat_custom_mask(
         prefix columns True (live rows), then the tree row.
     mask_indptr : Tensor [B + 1], int64
     """
+    if _eager():
+        _check_flat_custom_mask_args(mask, prefix_lens, capacity, num_nodes)
+    if _value_checks(prefix_lens):
+        _check_prefix_values(prefix_lens)
     _cuda_kernels_for(mask)
     return torch.ops.kdtree.flat_custom_mask(mask, prefix_lens, capacity, num_nodes)
 
@@ -1474,25 +1695,30 @@ def _sglang_tree_one(lp, tok, budget: int, depth_bonus: float, log_budget: float
 
 
 def _check_sglang_tree_args(topk_logprobs, topk_tokens, budget, chain, outs):
-    torch._check(topk_logprobs.dim() == 3, lambda: f"kdtree: topk_logprobs must be [B, L, K], got {tuple(topk_logprobs.shape)}")
-    torch._check(topk_logprobs.dtype == torch.float32, lambda: f"kdtree: topk_logprobs must be float32, got {topk_logprobs.dtype}")
-    torch._check(topk_tokens.dtype == torch.int64, lambda: f"kdtree: topk_tokens must be int64, got {topk_tokens.dtype}")
-    torch._check(
+    _check(topk_logprobs.dim() == 3, lambda: f"kdtree: topk_logprobs must be [B, L, K], got {tuple(topk_logprobs.shape)}")
+    _check(topk_logprobs.dtype == torch.float32, lambda: f"kdtree: topk_logprobs must be float32, got {topk_logprobs.dtype}")
+    _check(topk_tokens.dtype == torch.int64, lambda: f"kdtree: topk_tokens must be int64, got {topk_tokens.dtype}")
+    _check(
         topk_tokens.shape == topk_logprobs.shape,
         lambda: f"kdtree: topk_tokens must have shape {tuple(topk_logprobs.shape)} like topk_logprobs, got {tuple(topk_tokens.shape)}",
     )
     B, L, K = topk_logprobs.shape
-    torch._check(1 <= budget <= MAX_TREE_BUDGET, lambda: f"kdtree: budget must be in [1, {MAX_TREE_BUDGET}], got {budget}")
-    torch._check(1 <= L <= MAX_TREE_DEPTH, lambda: f"kdtree: topk_logprobs must have 1 to {MAX_TREE_DEPTH} positions (dim 1), got {L}")
-    torch._check(K >= 1, lambda: f"kdtree: topk_logprobs must have at least one rank (dim 2), got {K}")
-    torch._check(not chain or budget == L, lambda: f"kdtree: chain needs budget == L, got budget {budget}, L {L}")
+    _check_int("budget", budget, 1, MAX_TREE_BUDGET)
+    _check(1 <= L <= MAX_TREE_DEPTH, lambda: f"kdtree: topk_logprobs must have 1 to {MAX_TREE_DEPTH} positions (dim 1), got {L}")
+    _check(1 <= K <= (2**31 - 1) // MAX_TREE_DEPTH,
+                 lambda: f"kdtree: topk_logprobs must have 1 to {(2**31 - 1) // MAX_TREE_DEPTH} ranks (dim 2), got {K}")
+    for name, t in (("topk_logprobs", topk_logprobs), ("topk_tokens", topk_tokens)):
+        _check_contiguous(t, name)
+        _check_on(t, name, topk_logprobs, "topk_logprobs")
+    _check(not chain or budget == L, lambda: f"kdtree: chain needs budget == L, got budget {budget}, L {L}")
     D = budget + 1
     shapes = ((B, budget), (B, budget), (B, D), (B, D, D), (B,))
     dtypes = (torch.int64, torch.int64, torch.int64, torch.bool, torch.int64)
     for name, t, shape, dtype in zip(SGLangTree._fields, outs, shapes, dtypes):
-        torch._check(tuple(t.shape) == shape, lambda: f"kdtree: {name} must have shape {shape}, got {tuple(t.shape)}")
-        torch._check(t.dtype == dtype, lambda: f"kdtree: {name} must be {dtype}, got {t.dtype}")
-        torch._check(t.device == topk_logprobs.device, lambda: f"kdtree: {name} must be on {topk_logprobs.device}, got {t.device}")
+        _check(tuple(t.shape) == shape, lambda: f"kdtree: {name} must have shape {shape}, got {tuple(t.shape)}")
+        _check(t.dtype == dtype, lambda: f"kdtree: {name} must be {dtype}, got {t.dtype}")
+        _check_contiguous(t, name)
+        _check_on(t, name, topk_logprobs, "topk_logprobs")
 
 
 @_define(
@@ -1581,11 +1807,15 @@ def sglang_build_tree(
         ``node_tokens [B, budget]`` int64, ``node_depths [B, budget]`` int64, ``parents [B, D]``
         int64, ``visibility [B, D, D]`` bool, ``tree_sizes [B]`` int64 (``out`` when given).
     """
+    if _eager():
+        _check_int("budget", budget, 1, MAX_TREE_BUDGET)
     if out is None:
         B, dev = topk_logprobs.shape[0], topk_logprobs.device
         D = budget + 1
         new = lambda *shape, dtype=torch.int64: torch.empty(shape, dtype=dtype, device=dev)
         out = (new(B, budget), new(B, budget), new(B, D), new(B, D, D, dtype=torch.bool), new(B))
+    if _eager():
+        _check_sglang_tree_args(topk_logprobs, topk_tokens, budget, chain, out)
     _cuda_kernels_for(topk_logprobs)
     torch.ops.kdtree.sglang_build_tree_(
         topk_logprobs, topk_tokens, budget, depth_bonus, math.log(max(budget, 1)), stop_margin, chain, *out
@@ -1619,12 +1849,13 @@ class RetrieveAccept(NamedTuple):
 
 
 def _check_accept_retrieve_args(next_token, next_sibling, candidates, target_tokens, max_depth):
-    torch._check(next_token.dim() == 2, lambda: f"kdtree: next_token must be [B, D], got {tuple(next_token.shape)}")
+    _check(next_token.dim() == 2, lambda: f"kdtree: next_token must be [B, D], got {tuple(next_token.shape)}")
     for name, t in (("next_token", next_token), ("next_sibling", next_sibling), ("candidates", candidates),
                     ("target_tokens", target_tokens)):
         _check_tree_tensor(t, name, next_token, torch.int64)
-    torch._check(next_token.shape[1] >= 1, lambda: f"kdtree: next_token must have at least one node, got {tuple(next_token.shape)}")
-    torch._check(max_depth >= 0, lambda: f"kdtree: max_depth must be >= 0, got {max_depth}")
+    _check(1 <= next_token.shape[1] <= 4 * _MAX_STAGED_NODES,
+                 lambda: f"kdtree: next_token must have 1 to {4 * _MAX_STAGED_NODES} nodes (dim 1), got {next_token.shape[1]}")
+    _check_int("max_depth", max_depth, 0, _MAX_STAGED_NODES - 1)
 
 
 @_define(
@@ -1703,6 +1934,8 @@ def accept_retrieve(
         ``accepted [B, max_depth + 1]`` int32, ``accept_len [B]`` int32, ``bonus [B]`` int64,
         ``accepted_tokens [B, D]`` int64, ``commit_order [B * D]`` int64.
     """
+    if _eager():
+        _check_accept_retrieve_args(next_token, next_sibling, candidates, target_tokens, max_depth)
     _cuda_kernels_for(next_token)
     return RetrieveAccept(*torch.ops.kdtree.accept_retrieve(next_token, next_sibling, candidates, target_tokens, max_depth))
 
@@ -1716,31 +1949,31 @@ def _row_bytes(kv: torch.Tensor) -> int:
 
 def _check_move_args(kv_layers, src_slots, dst_slots):
     for name, t in (("src_slots", src_slots), ("dst_slots", dst_slots)):
-        torch._check(t.dtype in (torch.int32, torch.int64), lambda: f"kdtree: {name} must be int32 or int64, got {t.dtype}")
-        torch._check(t.dim() == 1, lambda: f"kdtree: {name} must have 1 dims, got shape {tuple(t.shape)}")
-    torch._check(
+        _check(t.dtype in (torch.int32, torch.int64), lambda: f"kdtree: {name} must be int32 or int64, got {t.dtype}")
+        _check(t.dim() == 1, lambda: f"kdtree: {name} must have 1 dims, got shape {tuple(t.shape)}")
+    _check(
         dst_slots.dtype == src_slots.dtype,
         lambda: f"kdtree: dst_slots must be {src_slots.dtype} like src_slots, got {dst_slots.dtype}",
     )
-    torch._check(
+    _check(
         dst_slots.numel() == src_slots.numel(),
         lambda: f"kdtree: dst_slots must have {src_slots.numel()} entries like src_slots, got {dst_slots.numel()}",
     )
     if not kv_layers:
         return
     first = kv_layers[0]
-    torch._check(first.dim() >= 1, lambda: "kdtree: kv_layers[0] must be [S, ...], got a scalar")
+    _check(first.dim() >= 1, lambda: "kdtree: kv_layers[0] must be [S, ...], got a scalar")
     for i, kv in enumerate(kv_layers):
-        torch._check(
+        _check(
             kv.dim() >= 1 and kv.shape[0] == first.shape[0],
             lambda: f"kdtree: kv_layers[{i}] must have {first.shape[0]} slots like kv_layers[0], got shape {tuple(kv.shape)}",
         )
-        torch._check(
+        _check(
             _row_bytes(kv) == _row_bytes(first),
             lambda: f"kdtree: kv_layers[{i}] must have rows of {_row_bytes(first)} bytes like kv_layers[0], got {_row_bytes(kv)}",
         )
-        torch._check(kv.device == src_slots.device, lambda: f"kdtree: kv_layers[{i}] must be on {src_slots.device}, got {kv.device}")
-        torch._check(kv[0].is_contiguous() if kv.shape[0] else True, lambda: f"kdtree: kv_layers[{i}] must have contiguous rows (only dim 0 may be strided), got strides {kv.stride()}")
+        _check(kv.device == src_slots.device, lambda: f"kdtree: kv_layers[{i}] must be on {src_slots.device}, got {kv.device}")
+        _check(kv[0].is_contiguous() if kv.shape[0] else True, lambda: f"kdtree: kv_layers[{i}] must have contiguous rows (only dim 0 may be strided), got strides {kv.stride()}")
 
 
 def _check_move_slots(src, dst, slots: int, disjoint: bool) -> None:
@@ -1826,14 +2059,17 @@ def move_kv(
         strided).
     src_slots, dst_slots : Tensor [n], int32 or int64 (same dtype)
         Slot pairs. A pair with a negative slot in either tensor is padding and skipped, so
-        fixed-size, padded pair lists work under CUDA graphs. Non-padding dst slots must be
-        distinct. With ``KDTREE_CHECK=1`` ranges and distinctness are validated (host sync);
-        otherwise out-of-range pairs are skipped.
+        fixed-size, padded pair lists work under CUDA graphs. Other slots must lie in [0, S)
+        and non-padding dst slots must be distinct: the CPU reference checks both always, CUDA
+        with ``KDTREE_CHECK=1`` (a host sync); unchecked, the CUDA kernel skips out-of-range
+        pairs.
     disjoint : bool
         Promise that no slot is both a source and another pair's destination: copies in a
         single pass (half the memory traffic). Breaking the promise gives undefined row
         contents (validated in check mode).
     """
+    if _eager():
+        _check_move_args(list(kv_layers), src_slots, dst_slots)
     _cuda_kernels_for(src_slots)
     torch.ops.kdtree.move_kv(list(kv_layers), src_slots, dst_slots, disjoint=disjoint)
 

@@ -101,10 +101,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
   }
   __syncthreads();
   const int b = s_req, row0 = s_row0;
-  if (b < 0) {
-    if (b == kMalformedBatch) poison_rows(p, blockIdx.x, blockIdx.y);
-    return;
-  }
+  if (b == kNoWork) return;
 
   const int split = blockIdx.y;
   const auto [q_begin, nodes, rows_b, kv_begin, pre_begin, pre_end, pre_tiles, n_tiles] = cta_span(p, b, split);
@@ -307,7 +304,8 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
 
   // ---- finish: share each row's max and sum, normalise, write ----
   // The last tile's PV has read s_alpha; did any warp meet a slot outside kv_cache?
-  const bool bad_cta = __syncthreads_or(bad);
+  const bool malformed = s_req == kMalformedBatch;  // rows to write NaN, no keys (find_row_tile)
+  const bool bad_cta = __syncthreads_or(bad) || malformed;
   if (t4 == 0) {
     const int r = rt * 16 + g + dh * 8;
     s_alpha[r] = row_max;
@@ -315,7 +313,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
   }
   __syncthreads();
   const bool direct = p.splits == 1;
-  if (bad_cta && tid == 0) raise_guard(p.guard, kGuardKvSlot);
+  if (bad_cta && tid == 0) raise_guard(p.guard, malformed ? kGuardVerifyIndptr : kGuardKvSlot);
 #pragma unroll
   for (int i = 0; i < kRowTiles; ++i)
 #pragma unroll

@@ -102,16 +102,18 @@ __device__ __forceinline__ bool bar_or(bool v) {
 constexpr float kNaN = __builtin_nanf("");
 
 // Called by one full warp: the request and first row of row tile `tile`, scanning the
-// requests' tile counts 32 at a time (req = -1: the tile is past the work). Every CTA also
-// checks the whole batch's indptrs, which is what makes the casts to int below safe: req =
+// requests' tile counts 32 at a time (req = kNoWork: the tile is past the work). Every CTA
+// also checks the whole batch's indptrs, which is what makes the casts to int below safe: req =
 // kMalformedBatch when qo_indptr does not run from 0 to T without decreasing, kv_indptr does
 // not run from 0 to at most len(kv_indices) without decreasing, or a request has more nodes
-// than tree_mask's words hold.
-constexpr int kMalformedBatch = -2;
+// than tree_mask's words hold. Such a CTA takes rows [64 tile, 64 tile + 64) of the flattened
+// T x H output as a request without keys (cta_span) and its epilogue writes them NaN: every
+// output row is defined, through the kernels' own write path.
+constexpr int kNoWork = -1, kMalformedBatch = -2;
 template <typename T>
 __device__ __forceinline__ void find_row_tile(const VerifyParams<T>& p, int tile, int lane, int& req, int& row0) {
   int base = 0;
-  req = -1;
+  req = kNoWork;
   row0 = 0;
   bool bad = false;
   for (int b0 = 0; b0 < p.batch; b0 += 32) {
@@ -136,29 +138,9 @@ __device__ __forceinline__ void find_row_tile(const VerifyParams<T>& p, int tile
     }
     base += __shfl_sync(0xffffffffu, incl, 31);
   }
-  if (__any_sync(0xffffffffu, bad)) req = kMalformedBatch;
-}
-
-// A CTA of a malformed batch (find_row_tile): rows [64 tile, 64 tile + 64) of the flattened
-// T x H output become NaN (their partial lse with splits, which the merge turns into NaN rows),
-// so every output row is defined; split 0's CTAs raise the guard. Not inlined: inlined, its
-// code costs the seesaw kernel's producer and consumers registers they do not have (spills).
-template <typename T>
-__device__ __noinline__ void poison_rows(const VerifyParams<T>& p, int tile, int split) {
-  const int64_t first = static_cast<int64_t>(tile) * kRows;
-  if (split == 0 && threadIdx.x == 0) raise_guard(p.guard, kGuardVerifyIndptr);
-  for (int i = threadIdx.x; i < kRows * (kDv / 2 + 1); i += blockDim.x) {
-    const int64_t row = first + i / (kDv / 2 + 1);
-    const int c = i % (kDv / 2 + 1);
-    if (row >= p.rows_total) break;
-    const int64_t node = row / p.heads, head = row - node * p.heads;
-    if (p.splits > 1) {
-      if (c == 0) p.part_lse[split * p.rows_total + row] = kNaN;
-    } else if (c == kDv / 2) {
-      p.lse[node * p.lse_st + head * p.lse_sh] = kNaN;
-    } else {
-      *reinterpret_cast<uint32_t*>(p.out + node * p.out_st + head * p.out_sh + 2 * c) = ~0u;
-    }
+  if (__any_sync(0xffffffffu, bad)) {
+    req = kMalformedBatch;
+    row0 = tile * kRows;
   }
 }
 
@@ -169,7 +151,11 @@ struct CtaSpan {
 };
 template <typename T>
 __device__ __forceinline__ CtaSpan cta_span(const VerifyParams<T>& p, int b, int split) {
-  CtaSpan c;
+  CtaSpan c{};
+  if (b == kMalformedBatch) {
+    c.rows_b = static_cast<int>(p.rows_total);
+    return c;
+  }
   c.q_begin = static_cast<int>(p.qo_indptr[b]);
   c.nodes = static_cast<int>(p.qo_indptr[b + 1]) - c.q_begin;
   c.rows_b = c.nodes * p.heads;

@@ -198,10 +198,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_sm90_kernel(const Ver
   }
   __syncthreads();
   const int b = s_tile[0], row0 = s_tile[1];
-  if (b < 0) {
-    if (b == kMalformedBatch) poison_rows(p, blockIdx.x, blockIdx.y);
-    return;
-  }
+  if (b == kNoWork) return;
 
   const int split = blockIdx.y;
   const auto [q_begin, nodes, rows_b, kv_begin, pre_begin, pre_end, pre_tiles, n_tiles] = cta_span(p, b, split);
@@ -454,8 +451,9 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_sm90_kernel(const Ver
     named_sync(kBarStats);
     // Whether either loading warpgroup met a slot outside kv_cache; WG0's lse is written by now
     // (kBarStats), so a bad CTA's NaN lse lands after it.
-    const bool bad_cta = bar_or<kBarLoaded, 2 * kWgThreads>(bad);
-    if (bad_cta && h == 0 && lt == 0) raise_guard(p.guard, kGuardKvSlot);
+    const bool malformed = s_tile[0] == kMalformedBatch;  // rows to write NaN, no keys (find_row_tile)
+    const bool bad_cta = bar_or<kBarLoaded, 2 * kWgThreads>(bad) || malformed;
+    if (bad_cta && h == 0 && lt == 0) raise_guard(p.guard, malformed ? kGuardVerifyIndptr : kGuardKvSlot);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = half ? rB : rA, m = row0 + r;

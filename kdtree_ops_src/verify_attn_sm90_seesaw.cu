@@ -205,7 +205,11 @@ struct SeesawSpan {
 };
 template <typename T>
 __device__ __forceinline__ SeesawSpan seesaw_span(const VerifyParams<T>& p, int b, int split) {
-  SeesawSpan c;
+  SeesawSpan c{};
+  if (b == kMalformedBatch) {  // rows to write NaN, no keys (find_row_tile)
+    c.rows_b = static_cast<int>(p.rows_total);
+    return c;
+  }
   c.q_begin = static_cast<int>(p.qo_indptr[b]);
   const int nodes = static_cast<int>(p.qo_indptr[b + 1]) - c.q_begin;
   c.rows_b = nodes * p.heads;
@@ -254,10 +258,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
   }
   __syncthreads();
   const int b = s_tile[0], row0 = s_tile[1];
-  if (b < 0) {
-    if (b == kMalformedBatch) poison_rows(p, blockIdx.x, blockIdx.y);
-    return;
-  }
+  if (b == kNoWork) return;
   // The split merge (launched behind this kernel) may be scheduled now; it waits for this
   // grid's completion before it reads anything.
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -593,8 +594,10 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
       s_sum[wg * kRows + rB] = lB;
     }
     named_sync(kBarSum);
-    const bool direct = p.splits == 1, bad = bar_or<kBarLoaded, kThreads>(false);
-    if (bad && tid == 0) raise_guard(p.guard, kGuardKvSlot);
+    // A slot outside kv_cache met by the producer, or a malformed batch: NaN rows.
+    const bool malformed = s_tile[0] == kMalformedBatch;
+    const bool direct = p.splits == 1, bad = bar_or<kBarLoaded, kThreads>(false) || malformed;
+    if (bad && tid == 0) raise_guard(p.guard, malformed ? kGuardVerifyIndptr : kGuardKvSlot);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = half ? rB : rA, m = row0 + r;
