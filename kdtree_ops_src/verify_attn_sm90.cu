@@ -389,12 +389,15 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_sm90_kernel(const Ver
     // Loader lanes: rows lr and lr + 16 of a tile, chunk lc of each of this warpgroup's blocks.
     const int lr = lt >> 3, lc = lt & 7;
     const uint32_t ld_off = lr * 128 + ((lc ^ (lr & 7)) << 4);  // (lr + 16) & 7 == lr & 7
-    auto slot_of = [&](int u, int r) -> Idx {  // -1: not a prefix key of this split
+    auto slot_of = [&](int u, int r) -> Idx {  // as loaded; -1 (unused) past this split's prefix keys
       const int pos = pre_begin + u * kKeys + r;
-      return u < pre_tiles && pos < pre_end ? checked_slot(p, __ldg(kv_indices + pos), bad) : Idx(-1);
+      return u < pre_tiles && pos < pre_end ? __ldg(kv_indices + pos) : Idx(-1);
     };
     auto row_src = [&](int u, int r, Idx slot) -> const T* {
-      if (u < pre_tiles) return slot >= 0 ? p.kv + static_cast<int64_t>(slot) * p.kv_stride : nullptr;
+      if (u < pre_tiles) {  // checked here, where the load has landed, not where it is issued
+        const int pos = pre_begin + u * kKeys + r;
+        return pos < pre_end ? p.kv + static_cast<int64_t>(checked_slot(p, slot, bad)) * p.kv_stride : nullptr;
+      }
       const int key = (u - pre_tiles) * kKeys + r;
       return key < nodes ? p.tree_k + static_cast<int64_t>(q_begin + key) * p.tk_stride : nullptr;
     };

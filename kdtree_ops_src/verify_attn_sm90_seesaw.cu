@@ -290,23 +290,23 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
 
     const Idx* kv_indices = static_cast<const Idx*>(p.kv_indices) + kv_begin;
     // Key of this thread's row i (tile i / 4, row grp + 16 (i % 4)) of a pair; the prefix slot
-    // behind it (0 for a tree key or past the end). Slots fit int: they index a pool of
-    // 1,152-byte rows in device memory.
+    // behind it (0 for a tree key or past the end), as loaded: checked only where a copy uses
+    // it, half a pair later, so no instruction waits on the load before then.
     auto key_of = [&](int pair, int i) { return key_begin + pair * kPairKeys + (i >> 2) * kTileKeys + grp + 16 * (i & 3); };
     bool bad = false;  // met a prefix slot outside kv_cache (checked_slot)
     auto slot_of = [&](int key) {
-      return key < prefix && key < key_end ? static_cast<int>(checked_slot(p, __ldg(kv_indices + key), bad)) : 0;
+      return key < prefix && key < key_end ? __ldg(kv_indices + key) : Idx(0);
     };
     // Row `key`'s first byte (row 0 of the pool past this CTA's keys, read as zeros).
-    auto row_of = [&](int key, int slot) -> const T* {
+    auto row_of = [&](int key, Idx slot) -> const T* {
       if (key >= key_end) return p.kv;
-      if (key < prefix) return p.kv + static_cast<int64_t>(slot) * p.kv_stride;
+      if (key < prefix) return p.kv + static_cast<int64_t>(checked_slot(p, slot, bad)) * p.kv_stride;
       return p.tree_k + static_cast<int64_t>(q_begin + key - prefix) * p.tk_stride;
     };
     // This thread's 8 row slots of a pair; each tile's 4 are loaded as soon as that tile's rows
     // of the previous pair are copied, half a pair before their own copies: no copy waits for
     // an index load.
-    int slot[8];
+    Idx slot[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) slot[i] = slot_of(key_of(0, i));
 
