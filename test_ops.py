@@ -1537,8 +1537,13 @@ class PoolSim:
             kv = mp.MLATokenToKVPool(size=size, page_size=1, dtype=torch.bfloat16, kv_lora_rank=4, qk_rope_head_dim=2,
                                      layer_num=layers, device=device, enable_memory_saver=False)
             self.allocator = tok.TokenToKVPoolAllocator(size=size, dtype=torch.bfloat16, device=device, kvcache=kv,
-                                                        need_sort=kind == "sglang-sort")
-            self.pool = defrag.SGLangPool(rtp, self.allocator)
+                                                        need_sort=kind != "sglang-nosort")
+            if kind == "sglang-shared":  # a one-layer MLA draft (DeepSeek's MTP/EAGLE) on the same table
+                draft = mp.MLATokenToKVPool(size=size, page_size=1, dtype=torch.bfloat16, kv_lora_rank=4, qk_rope_head_dim=2,
+                                            layer_num=1, device=device, enable_memory_saver=False)
+                self.pool = sglang_hook._SharedTablePool(rtp, self.allocator, [kv, draft])
+            else:
+                self.pool = defrag.SGLangPool(rtp, self.allocator)
         self.device = device
         self.lens: dict[int, int] = {}
         self.want: dict[int, torch.Tensor] = {}  # row -> [len, layers, row bytes] uint8
@@ -1561,7 +1566,8 @@ class PoolSim:
             self.pool.free_slots = torch.cat((self.pool.free_slots, slots))
 
     def layers(self):
-        return self.pool.kv_groups[0]
+        """Every KV buffer the table indexes (target and, for sglang-shared, the draft)."""
+        return [kv for group in self.pool.kv_groups for kv in group]
 
     def fill(self, slots):
         """Write fresh random bytes into the slots; return them [n, layers, row bytes]."""
@@ -1624,7 +1630,8 @@ def run_history(sim: PoolSim, data, steps=20):
     gen = sim.gen
     for _ in range(steps):
         rows, lens = sim.live()
-        op = data.draw(st.sampled_from(["extend", "extend", "finish", "verify", "verify", "defrag", "defrag_one"]))
+        op = data.draw(st.sampled_from(["extend", "extend", "finish", "verify", "verify", "defrag", "defrag_one",
+                                        "stale", "duplicate"]))
         if op == "extend":
             row = data.draw(st.integers(1, sim.rows))
             n = data.draw(st.integers(1, 6))
@@ -1655,6 +1662,23 @@ def run_history(sim: PoolSim, data, steps=20):
                 assert (runs <= 1).all()
             if op == "defrag_one" and p.reason is None:
                 assert p.compacted == kw["requests"]
+        elif op == "stale" and rows:
+            p = defrag.plan(sim.pool, rows, lens, requests=[data.draw(st.sampled_from(rows))], byte_budget=None)
+            row = data.draw(st.sampled_from(rows))
+            if sim.lens[row] < sim.ctx and sim.free_count() and data.draw(st.booleans()):
+                sim.extend(row, 1)  # any allocation in between
+            else:
+                sim.finish(row)  # a request ends, its slots freed
+            before = sim.snapshot()
+            with pytest.raises(ValueError, match="stale"):
+                defrag.apply(sim.pool, p)
+            after = sim.snapshot()
+            assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+            assert all(same_bytes(a, b) for a, b in zip(before[2], after[2]))
+        elif op == "duplicate" and rows:
+            row = data.draw(st.sampled_from(rows))
+            p = defrag.defragment(sim.pool, rows, lens, requests=[row, row], byte_budget=None)
+            assert p.compacted in ([], [row])
         sim.check()
 
 
@@ -1669,10 +1693,12 @@ def test_defrag_history_tensor_pool(device, data):
     run_history(sim, data)
 
 
-@pytest.mark.parametrize("kind", ["sglang-sort", "sglang-nosort"])
+@pytest.mark.parametrize("kind", ["sglang-sort", "sglang-nosort", "sglang-shared"])
 @HISTORY_SETTINGS
 @given(data=st.data())
 def test_defrag_history_sglang_pool(kind, data):
+    """Random histories on SGLang 0.5.23's pools and allocator, with stale plans, duplicate
+    requests and (sglang-shared) a draft pool on the same req_to_token, checked after every step."""
     sim = PoolSim(kind, "cpu", gen=torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1))))
     run_history(sim, data)
 
