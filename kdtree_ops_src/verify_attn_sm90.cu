@@ -18,6 +18,7 @@
 // without bank conflicts. Tiles stay 32 keys wide: 64-key stages would leave room for two, too
 // few to cover the gather latency.
 #include "verify_attn.cuh"
+#include "verify_attn_sm90.cuh"
 
 #include <cmath>
 
@@ -52,9 +53,6 @@ constexpr int kQRegSteps = 24;
 // the loaders' bad-slot OR.
 constexpr int kBarPFull = 1, kBarPEmpty = 3, kBarStats = 5, kBarLoaded = 6;
 
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
-}
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   uint32_t done;
   do {
@@ -65,31 +63,11 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
         : "memory");
   } while (!done);
 }
-// Arrives on `bar` once every earlier cp.async of this thread has landed.
-__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-// wgmma reads shared memory through the async proxy: order it after generic-proxy writes
-// (P stores, and the cp.async rows this thread has seen land).
-__device__ __forceinline__ void fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
 __device__ __forceinline__ void named_sync(int id) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
 }
 __device__ __forceinline__ void named_arrive(int id) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
-}
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-// Accumulators are written by wgmma behind the compiler's back: pin them after a wait so no
-// read is hoisted above it.
-template <int N> __device__ __forceinline__ void fence_regs(float (&r)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 
 // Shared-memory matrix descriptor: start address, leading and stride byte offsets (16-byte
@@ -100,10 +78,6 @@ __device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint3
          static_cast<uint64_t>(sbo >> 4) << 32 | static_cast<uint64_t>(swizzle) << 62;
 }
 
-// Accumulator operands: KD_ACC8(i) binds d[i .. i+7]; the asm strings name them %0 onwards.
-#define KD_ACC8(i)                                                                                   \
-  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]),        \
-      "+f"(d[i + 6]), "+f"(d[i + 7])
 #define KD_ACC16 KD_ACC8(0), KD_ACC8(8)
 #define KD_ACC64(i) KD_ACC8(i), KD_ACC8(i + 8), KD_ACC8(i + 16), KD_ACC8(i + 24), KD_ACC8(i + 32),  \
       KD_ACC8(i + 40), KD_ACC8(i + 48), KD_ACC8(i + 56)

@@ -22,6 +22,7 @@
 // Shared memory (226 KB): Q 72 KB + 2 K buffers x 72 KB + P of the odd tile 8 KB; the even
 // tile's P takes K buffer 0's rope block, dead once that tile's Q K^T is done.
 #include "verify_attn.cuh"
+#include "verify_attn_sm90.cuh"
 
 namespace kdtree {
 namespace {
@@ -55,9 +56,6 @@ constexpr int kBarMax0 = 1, kBarMax1 = 2, kBarP0 = 3, kBarP1 = 4, kBarSum = 5;
 // outside kv_cache (bar_or over all three warpgroups).
 constexpr int kBarLoaded = 6;
 
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
-}
 // The loop's branch is warp-uniform (vote, bra.uni): a wgmma chain may run across the wait
 // without ptxas serializing the kernel's wgmma ops.
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
@@ -72,31 +70,11 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
-// Arrives on `bar` once every earlier cp.async of this thread has landed.
-__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-// wgmma reads shared memory through the async proxy: order it after generic-proxy writes
-// (P stores, and the cp.async rows this thread has seen land).
-__device__ __forceinline__ void fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
 __device__ __forceinline__ void named_sync(int id) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(2 * kWgThreads) : "memory");
 }
 __device__ __forceinline__ void named_arrive(int id) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(2 * kWgThreads) : "memory");
-}
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-// Accumulators are written by wgmma behind the compiler's back: pin them after a wait so no
-// read is hoisted above it.
-template <int N> __device__ __forceinline__ void fence_regs(float (&r)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 
 // Shared-memory matrix descriptor, 128-byte swizzle: start address, leading and stride byte
@@ -107,9 +85,6 @@ __device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint3
          static_cast<uint64_t>(sbo >> 4) << 32 | uint64_t{1} << 62;
 }
 
-#define KD_ACC8(i)                                                                                   \
-  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]),        \
-      "+f"(d[i + 6]), "+f"(d[i + 7])
 #define KD_ACC32(i) KD_ACC8(i), KD_ACC8(i + 8), KD_ACC8(i + 16), KD_ACC8(i + 24)
 #define KD_REGS32                                                                                    \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, " \
