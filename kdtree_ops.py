@@ -1333,15 +1333,13 @@ class VerifyMetadata(NamedTuple):
     retrieve_next_sibling: Optional[torch.Tensor]
 
 
-def _check_prefix_lens(prefix_lens, like):
+def _check_per_request(t, name, like, like_name):
+    """A [B] int32/int64 per-request tensor (B = like.shape[0]) on like's device."""
     B = like.shape[0]
-    _check(
-        prefix_lens.dtype in (torch.int32, torch.int64),
-        lambda: f"kdtree: prefix_lens must be int32 or int64, got {prefix_lens.dtype}",
-    )
-    _check(prefix_lens.shape == (B,), lambda: f"kdtree: prefix_lens must have shape ({B},), got {tuple(prefix_lens.shape)}")
-    _check_contiguous(prefix_lens, "prefix_lens")
-    _check_on(prefix_lens, "prefix_lens", like, "the tree")
+    _check(t.dtype in (torch.int32, torch.int64), lambda: f"kdtree: {name} must be int32 or int64, got {t.dtype}")
+    _check(t.shape == (B,), lambda: f"kdtree: {name} must have shape ({B},), got {tuple(t.shape)}")
+    _check_contiguous(t, name)
+    _check_on(t, name, like, like_name)
 
 
 def _check_prefix_values(prefix_lens):
@@ -1365,7 +1363,7 @@ def _check_verify_metadata_args(depths, parents, prefix_lens):
     _check_tree_tensor(parents, "parents", depths, torch.int32)
     _check(1 <= depths.shape[1] <= _MAX_STAGED_NODES,
                  lambda: f"kdtree: depths must have 1 to {_MAX_STAGED_NODES} nodes (dim 1), got {depths.shape[1]}")
-    _check_prefix_lens(prefix_lens, depths)
+    _check_per_request(prefix_lens, "prefix_lens", depths, "the tree")
 
 
 @_define("verify_metadata(Tensor depths, Tensor parents, Tensor prefix_lens, bool retrieve) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
@@ -1417,16 +1415,10 @@ def _check_flat_custom_mask_args(mask, prefix_lens, capacity, num_nodes=None):
     )
     _check(W == (N + 31) // 32, lambda: f"kdtree: mask must have {(N + 31) // 32} words per row (dim 2), got {W}")
     _check_contiguous(mask, "mask")
-    _check_prefix_lens(prefix_lens, mask)
+    _check_per_request(prefix_lens, "prefix_lens", mask, "the tree")
     _check_int("capacity", capacity, 0)
     if num_nodes is not None:
-        _check(
-            num_nodes.dtype in (torch.int32, torch.int64),
-            lambda: f"kdtree: num_nodes must be int32 or int64, got {num_nodes.dtype}",
-        )
-        _check(num_nodes.shape == (B,), lambda: f"kdtree: num_nodes must have shape ({B},), got {tuple(num_nodes.shape)}")
-        _check_contiguous(num_nodes, "num_nodes")
-        _check_on(num_nodes, "num_nodes", mask, "mask")
+        _check_per_request(num_nodes, "num_nodes", mask, "mask")
 
 
 @_define("flat_custom_mask(Tensor mask, Tensor prefix_lens, int capacity, Tensor? num_nodes=None) -> (Tensor, Tensor)")
