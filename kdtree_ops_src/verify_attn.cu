@@ -35,6 +35,7 @@ constexpr int kSmemP = kRows * kPStride * 2;
 constexpr int kSmemBytes = kSmemKV + kSmemS + kSmemP + 2 * kRows * 4;
 static_assert(kSmemBytes <= 99 * 1024, "must fit sm_120's 99 KB per block");
 static_assert(kRows * kRowPitch <= kSmemKV, "Q is staged through the KV buffers");
+static_assert(kChunks % 8 == 0 && kKeys / kWarps % 4 == 0 && kRows / kWarps % 4 == 0, "copy_rows: 4 rows x 8 lanes per pass");
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
 template <typename Idx>
 __device__ __forceinline__ void cp_async_idx(uint32_t dst, const Idx* src, bool valid) {
@@ -107,15 +108,19 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
   const auto [q_begin, nodes, rows_b, kv_begin, pre_begin, pre_end, pre_tiles, n_tiles] = cta_span(p, b, split);
   const Idx* kv_indices = static_cast<const Idx*>(p.kv_indices) + kv_begin;
 
-  // Warp w copies rows [w * n, w * n + n) of a tile: 72 16-byte chunks per row over 32 lanes,
-  // so each row is one coalesced 1,152-byte read. src null: zero-fill (never NaN garbage).
+  // Warp w copies rows [w * n, w * n + n) of a tile, four at a time: lane (lane / 8, lane % 8)
+  // takes 16-byte chunks lane % 8, + 8, ..., + 64 of row 4 i + lane / 8, so a row costs its
+  // lanes one address and nine copies at fixed offsets, and eight lanes read 128 contiguous
+  // bytes. (One row per pass over 32 lanes spent more issue slots on addresses and predicates
+  // than S = Q K^T spends on mma.) src null: zero-fill (never NaN garbage).
   auto copy_rows = [&](uint8_t* dst, int rows_per_warp, auto src_of) {
-    for (int i = 0; i < rows_per_warp; ++i) {
-      const int r = warp * rows_per_warp + i;
+    for (int i = 0; i < rows_per_warp; i += 4) {
+      const int r = warp * rows_per_warp + i + (lane >> 3);
       const T* src = src_of(r);
-      const uint32_t d = smem_addr(dst + r * kRowPitch);
+      const uint32_t d = smem_addr(dst + r * kRowPitch) + (lane & 7) * 16;
+      const T* s = src ? src + (lane & 7) * 8 : p.kv;
 #pragma unroll
-      for (int c = lane; c < kChunks; c += 32) cp_async16(d + c * 16, src ? src + c * 8 : p.kv, src != nullptr);
+      for (int c = 0; c < kChunks / 8; ++c) cp_async16(d + c * 128, s + c * 64, src != nullptr);
     }
   };
 
