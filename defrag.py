@@ -435,7 +435,8 @@ def plan(
 def apply(pool: Pool, p: DefragPlan) -> None:
     """Enqueue the plan's copy on the current stream, then update ``req_to_token`` and the
     free list. Raises (changing nothing) if the requests, their slots or the free list moved
-    on since :func:`plan` (a request finished or grew, a slot was allocated or freed)."""
+    on since :func:`plan` (a request finished or grew, a slot was allocated or freed); a plan
+    that moves nothing is a no-op whatever changed."""
     if not p.compacted:
         return
     basis_rows, basis_lens, digest = p.basis
