@@ -215,12 +215,14 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
         mma16816<T>(s[j + 1], qf[ks], bf[2], bf[3]);
       }
     }
-    // Each warp keeps the 8 rows it will normalise and hands the other 8 to its partner.
+    // Each warp keeps the 8 rows it will normalise and hands the other 8 to its partner. The
+    // halves are picked by select, not by s[j][2 * dh + e]: a register array indexed by a
+    // runtime value lives in local memory (64 bytes of stack and 12 loads per tile).
     float* part = s_part + rt * (2 * 8 * 32);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) part[(dh * 8 + j * 2 + e) * 32 + lane] = s[j][(1 - dh) * 2 + e];
+      for (int e = 0; e < 2; ++e) part[(dh * 8 + j * 2 + e) * 32 + lane] = dh ? s[j][e] : s[j][2 + e];
     __syncthreads();
 
     // ---- online softmax: 8 warps x (8 rows x 32 keys) ----
@@ -236,7 +238,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
       for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          x[j * 2 + e] = (s[j][dh * 2 + e] + other[(j * 2 + e) * 32 + lane]) * p.scale_log2;
+          x[j * 2 + e] = ((dh ? s[j][2 + e] : s[j][e]) + other[(j * 2 + e) * 32 + lane]) * p.scale_log2;
           if (key0 + j * 8 + t4 * 2 + e >= key_end) x[j * 2 + e] = -INFINITY;
         }
       if (tree_tile) {  // the ancestor mask (or the causal chain) applies to tree keys only
