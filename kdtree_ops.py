@@ -737,7 +737,11 @@ def _rows_2d(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], t.shape[-1]) if t.dim() == 3 else t
 
 
-def _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, out=None, lse=None):
+_FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.uint8)  # uint8: e4m3 bytes, as SGLang stores fp8 pools
+
+
+def _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, out=None, lse=None,
+                       k_scale=None, k_scale_value=1.0):
     _check(q.dim() == 3 and q.shape[2] == MLA_QK_DIM and q.shape[1] >= 1,
                  lambda: f"kdtree: q must be [T, H >= 1, 576], got {tuple(q.shape)}")
     _check(q.dtype in (torch.bfloat16, torch.float16), lambda: f"kdtree: q must be bfloat16 or float16, got {q.dtype}")
@@ -747,8 +751,12 @@ def _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tr
             (t.dim() == 2 and t.shape[1] == MLA_QK_DIM) or (t.dim() == 3 and t.shape[1] == 1 and t.shape[2] == MLA_QK_DIM),
             lambda: f"kdtree: {name} must be [S, 576] or [S, 1, 576], got {tuple(t.shape)}",
         )
-        _check(t.dtype == q.dtype, lambda: f"kdtree: {name} must be {q.dtype} like q, got {t.dtype}")
         _check_last_contiguous(t, name)
+    fp8 = kv_cache.dtype in _FP8_KV_DTYPES
+    _check(kv_cache.dtype == q.dtype or fp8, lambda: f"kdtree: kv_cache must be {q.dtype} like q, or float8_e4m3fn / "
+           f"uint8 (e4m3 bytes), got {kv_cache.dtype}")
+    _check(tree_k.dtype == q.dtype, lambda: f"kdtree: tree_k must be {q.dtype} like q, got {tree_k.dtype}")
+    _check_k_scale(k_scale, k_scale_value, kv_cache, q)
     _check(tree_k.shape[0] == q.shape[0], lambda: f"kdtree: tree_k must have {q.shape[0]} rows like q, got {tree_k.shape[0]}")
     for name, t in (("kv_indptr", kv_indptr), ("qo_indptr", qo_indptr), ("kv_indices", kv_indices)):
         _check_index_vector(t, name)
@@ -767,14 +775,43 @@ def _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tr
         _check(tuple(lse.shape) == (T, H), lambda: f"kdtree: lse must be [{T}, {H}], got {tuple(lse.shape)}")
         _check(lse.dtype == torch.float32, lambda: f"kdtree: lse must be float32, got {lse.dtype}")
     for name, t in (("kv_cache", kv_cache), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("qo_indptr", qo_indptr),
-                    ("tree_k", tree_k), ("tree_mask", tree_mask), ("out", out), ("lse", lse)):
+                    ("tree_k", tree_k), ("tree_mask", tree_mask), ("out", out), ("lse", lse), ("k_scale", k_scale)):
         if t is not None:
             _check_on(t, name, q, "q")
 
 
-def _check_verify_values(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask):
+def _check_k_scale(k_scale, k_scale_value, kv_cache, q):
+    """The op's two scale arguments: a tensor (read on the device) or a host float, and only
+    for an fp8 kv_cache (a bf16/fp16 pool holds unscaled rows; 1.0 is the value's default)."""
+    _check(kv_cache.dtype in _FP8_KV_DTYPES or (k_scale is None and k_scale_value == 1.0),
+           lambda: f"kdtree: k_scale applies to an fp8 kv_cache only (kv_cache is {kv_cache.dtype})")
+    if k_scale is not None:
+        _check(k_scale.dtype == torch.float32 and k_scale.dim() <= 1 and k_scale.numel() == 1,
+               lambda: f"kdtree: k_scale must be a float32 tensor of one element, got {k_scale.dtype} {tuple(k_scale.shape)}")
+    if isinstance(k_scale_value, float):  # a traced SymFloat is checked when the call runs eagerly
+        _check(math.isfinite(k_scale_value), lambda: f"kdtree: k_scale must be finite, got {k_scale_value}")
+
+
+def _k_scale_op_args(k_scale, kv_cache):
+    """The wrapper's ``k_scale`` as the op's (k_scale, k_scale_value); eagerly, its Python
+    type, and that one given at all needs an fp8 kv_cache (the op alone cannot tell an explicit
+    1.0 from the default)."""
+    if _eager() and k_scale is not None:
+        _check(isinstance(k_scale, (torch.Tensor, float, int)) and not isinstance(k_scale, bool),
+               lambda: f"kdtree: k_scale must be None, a float or a float32 tensor of one element, got {type(k_scale).__name__}")
+        _check(kv_cache.dtype in _FP8_KV_DTYPES,
+               lambda: f"kdtree: k_scale applies to an fp8 kv_cache only (kv_cache is {kv_cache.dtype})")
+    if isinstance(k_scale, torch.Tensor):
+        return k_scale, 1.0
+    if isinstance(k_scale, int):
+        return None, float(k_scale)
+    return None, 1.0 if k_scale is None else k_scale
+
+
+def _check_verify_values(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, k_scale=None):
     """Value check: indptrs from 0, non-decreasing, covering q's rows and within kv_indices;
-    every used slot a row of kv_cache; every request's nodes within tree_mask's words."""
+    every used slot a row of kv_cache; every request's nodes within tree_mask's words; a
+    k_scale tensor finite."""
     kvp = _check_indptr_values(kv_indptr, "kv_indptr", at_most=kv_indices.shape[0], at_most_what="len(kv_indices)")
     qo = _check_indptr_values(qo_indptr, "qo_indptr", end=q.shape[0], end_what="rows of q")
     _check_range_values(kv_indices[: kvp[-1]], "kv_indices", 0, kv_cache.shape[0], "rows of kv_cache")
@@ -783,6 +820,10 @@ def _check_verify_values(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mas
         if nodes > 32 * tree_mask.shape[1]:
             _fail(f"tree_mask must have at least {-(-nodes // 32)} words per row (a request has {nodes} nodes), "
                   f"got {tree_mask.shape[1]}")
+    if k_scale is not None:
+        value = k_scale.item()
+        if not math.isfinite(value):
+            _fail(f"k_scale must be finite, got {value}")
 
 
 def unpack_bits(words: torch.Tensor, n: int) -> torch.Tensor:
@@ -793,8 +834,20 @@ def unpack_bits(words: torch.Tensor, n: int) -> torch.Tensor:
     return ((w >> (j % 32)) & 1).bool() & have
 
 
-def verify_attn_reference(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale):
-    """Reference: per request, softmax over (all prefix keys) + (tree keys under the mask)."""
+def _prefix_rows(kv: torch.Tensor, slots: torch.Tensor, acc: torch.dtype, k_scale) -> torch.Tensor:
+    """Rows ``slots`` of the [S, 576] pool in ``acc``: an fp8 pool's e4m3 values times k_scale
+    (rounded to float32 first, as the kernels read it), any other pool's values as they are."""
+    if kv.dtype not in _FP8_KV_DTYPES:
+        return kv[slots].to(acc)
+    scale = torch.as_tensor(k_scale, dtype=torch.float32).reshape(()).to(device=kv.device, dtype=acc)
+    return kv.view(torch.uint8)[slots].view(torch.float8_e4m3fn).to(acc) * scale
+
+
+def verify_attn_reference(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale, *, k_scale=1.0):
+    """Reference: per request, softmax over (all prefix keys) + (tree keys under the mask).
+    Prefix rows of an fp8 ``kv_cache`` (float8_e4m3fn, or uint8 holding e4m3 bytes) are
+    dequantized (times ``k_scale``, a float or a one-element tensor) into the accumulation
+    dtype (float64 for float64 q, else float32); tree_k is used as it is."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     T, H, _ = q.shape
     kv, tk = _rows_2d(kv_cache), _rows_2d(tree_k)
@@ -806,7 +859,7 @@ def verify_attn_reference(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k,
         n = q1 - q0
         if n == 0:
             continue
-        keys = torch.cat([kv[kv_indices[k0:k1].long()], tk[q0:q1]]).to(acc)
+        keys = torch.cat([_prefix_rows(kv, kv_indices[k0:k1].long(), acc, k_scale), tk[q0:q1].to(acc)])
         scores = torch.einsum("nhd,kd->nhk", q[q0:q1].to(acc), keys) * sm_scale
         if tree_mask is None:
             visible = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
@@ -823,36 +876,46 @@ def verify_attn_reference(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k,
 
 @_define(
     "verify_attn(Tensor q, Tensor kv_cache, Tensor kv_indptr, Tensor kv_indices, Tensor qo_indptr, "
-    "Tensor tree_k, Tensor? tree_mask, float sm_scale, int max_kv_len=-1) -> (Tensor, Tensor)"
+    "Tensor tree_k, Tensor? tree_mask, float sm_scale, int max_kv_len=-1, Tensor? k_scale=None, "
+    "float k_scale_value=1.0) -> (Tensor, Tensor)"
 )
-def _verify_attn_cpu(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale, max_kv_len=-1):
-    _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask)
-    _check_verify_values(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask)
-    return verify_attn_reference(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale)
+def _verify_attn_cpu(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale, max_kv_len=-1,
+                     k_scale=None, k_scale_value=1.0):
+    _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, k_scale=k_scale,
+                       k_scale_value=k_scale_value)
+    _check_verify_values(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, k_scale)
+    return verify_attn_reference(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale,
+                                 k_scale=k_scale_value if k_scale is None else k_scale)
 
 
 @_fake("verify_attn")
-def _verify_attn_fake(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale, max_kv_len=-1):
-    _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask)
+def _verify_attn_fake(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale, max_kv_len=-1,
+                      k_scale=None, k_scale_value=1.0):
+    _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, k_scale=k_scale,
+                       k_scale_value=k_scale_value)
     T, H, _ = q.shape
     return q.new_empty(T, H, MLA_V_DIM), q.new_empty(T, H, dtype=torch.float32)
 
 
 @_define(
     "verify_attn_out(Tensor q, Tensor kv_cache, Tensor kv_indptr, Tensor kv_indices, Tensor qo_indptr, "
-    "Tensor tree_k, Tensor? tree_mask, float sm_scale, Tensor(a!) out, Tensor(b!) lse, int max_kv_len=-1) -> ()"
+    "Tensor tree_k, Tensor? tree_mask, float sm_scale, Tensor(a!) out, Tensor(b!) lse, int max_kv_len=-1, "
+    "Tensor? k_scale=None, float k_scale_value=1.0) -> ()"
 )
-def _verify_attn_out_cpu(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale, out, lse, max_kv_len=-1):
-    _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, out, lse)
-    _check_verify_values(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask)
-    o, s = verify_attn_reference(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale)
+def _verify_attn_out_cpu(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale, out, lse,
+                         max_kv_len=-1, k_scale=None, k_scale_value=1.0):
+    _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, out, lse, k_scale, k_scale_value)
+    _check_verify_values(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, k_scale)
+    o, s = verify_attn_reference(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale,
+                                 k_scale=k_scale_value if k_scale is None else k_scale)
     out.copy_(o)
     lse.copy_(s)
 
 
 @_fake("verify_attn_out")
-def _verify_attn_out_fake(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale, out, lse, max_kv_len=-1):
-    _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, out, lse)
+def _verify_attn_out_fake(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale, out, lse,
+                          max_kv_len=-1, k_scale=None, k_scale_value=1.0):
+    _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, out, lse, k_scale, k_scale_value)
 
 
 def verify_attn(
@@ -868,6 +931,7 @@ def verify_attn(
     out: Optional[torch.Tensor] = None,
     lse: Optional[torch.Tensor] = None,
     max_kv_len: Optional[int] = None,
+    k_scale: Optional[float | torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tree-verify attention for MLA over page-size-1 KV.
 
@@ -877,12 +941,18 @@ def verify_attn(
     tree_mask is None: a causal chain). Scores are ``sm_scale * q.k`` over 576 dims; values are
     the first 512 dims of the same rows.
 
+    An fp8 kv_cache (SGLang's ``--kv-cache-dtype fp8_e4m3`` pool, which stores k / k_scale)
+    is read as e4m3 values times ``k_scale``, for keys and values alike; the CUDA kernels
+    dequantize each row to q's dtype (``q.dtype(e4m3 * k_scale)``) and run the same
+    bf16/fp16 math as for a bf16/fp16 pool. tree_k is never scaled.
+
     Parameters
     ----------
     q : Tensor [T, H, 576], bfloat16 or float16
         Absorbed queries (512 nope + 64 rope) of all requests' tree nodes.
-    kv_cache : Tensor [S, 576] or [S, 1, 576], q's dtype
-        The layer's latent KV pool.
+    kv_cache : Tensor [S, 576] or [S, 1, 576], q's dtype, float8_e4m3fn or uint8
+        The layer's latent KV pool; uint8 rows are e4m3 bytes (how SGLang stores fp8 pools).
+        CUDA needs 16-byte aligned rows.
     kv_indptr : Tensor [B + 1], int32 or int64
         Prefix boundaries into kv_indices per request.
     kv_indices : Tensor [>= kv_indptr[-1]], int32 or int64
@@ -890,7 +960,7 @@ def verify_attn(
     qo_indptr : Tensor [B + 1], int32 or int64 (independently of kv_indptr)
         Row boundaries of each request's nodes in q (node 0 = root).
     tree_k : Tensor [T, 576] or [T, 1, 576], q's dtype
-        The nodes' own latents (their keys/values).
+        The nodes' own latents (their keys/values), unscaled.
     tree_mask : Tensor [T, W] int32 or None
         Bit ``j % 32`` of word ``j // 32`` of row i set = node i sees node j of its request
         (local indices); W >= ceil(max nodes per request / 32). None = causal chain.
@@ -903,6 +973,11 @@ def verify_attn(
     max_kv_len : int, optional
         Upper bound of any request's prefix length (a host int); lets the kernel split
         short prefixes less. Never read from the device, so CUDA-graph capture is safe.
+    k_scale : float, or Tensor [] or [1] float32 on q's device, optional
+        Dequantization scale of an fp8 kv_cache (SGLang's ``layer.k_scale``); None means 1.0,
+        and only an fp8 kv_cache takes one. Either form is rounded to float32. A tensor is
+        read on the device at every launch, so a captured CUDA graph replays with its current
+        value; it must be finite (checked on CPU, on CUDA with ``KDTREE_CHECK=1``).
 
     Returns
     -------
@@ -910,21 +985,24 @@ def verify_attn(
     lse : Tensor [T, H], float32, natural-log log-sum-exp of each row's scores
         (``-inf`` for a row that sees nothing; its output is 0).
     """
+    scale_t, scale_v = _k_scale_op_args(k_scale, kv_cache)
     if _eager():
-        _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, out, lse)
+        _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, out, lse, scale_t, scale_v)
         if max_kv_len is not None:
             _check_int("max_kv_len", max_kv_len, 0)
     if _value_checks(q):
-        _check_verify_values(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask)
+        _check_verify_values(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, scale_t)
     _cuda_kernels_for(q)
     hint = -1 if max_kv_len is None else max_kv_len
     if out is None and lse is None:
-        return torch.ops.kdtree.verify_attn(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale, hint)
+        return torch.ops.kdtree.verify_attn(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale,
+                                            hint, scale_t, scale_v)
     if out is None:
         out = q.new_empty(q.shape[0], q.shape[1], MLA_V_DIM)
     if lse is None:
         lse = q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
-    torch.ops.kdtree.verify_attn_out(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale, out, lse, hint)
+    torch.ops.kdtree.verify_attn_out(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale, out, lse,
+                                     hint, scale_t, scale_v)
     return out, lse
 
 
