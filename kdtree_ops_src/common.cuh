@@ -38,6 +38,7 @@ inline const char* dtype_name(at::ScalarType t) {
     case at::kByte: return "uint8";
     case at::kChar: return "int8";
     case at::kBool: return "bool";
+    case at::ScalarType::Float8_e4m3fn: return "float8_e4m3fn";
     default: return c10::toString(t);
   }
 }

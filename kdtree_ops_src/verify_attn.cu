@@ -16,6 +16,8 @@
 // verify_attn_sm90.cu).
 #include "verify_attn.cuh"
 
+#include <cmath>
+
 namespace kdtree {
 namespace {
 
@@ -35,15 +37,16 @@ constexpr int kSmemP = kRows * kPStride * 2;
 constexpr int kSmemBytes = kSmemKV + kSmemS + kSmemP + 2 * kRows * 4;
 static_assert(kSmemBytes <= 99 * 1024, "must fit sm_120's 99 KB per block");
 static_assert(kRows * kRowPitch <= kSmemKV, "Q is staged through the KV buffers");
+static_assert(kKeys / kWarps == 4, "fp8 tiles: one pass of 4 rows x 8 lanes per warp");
 static_assert(kChunks % 8 == 0 && kKeys / kWarps % 4 == 0 && kRows / kWarps % 4 == 0, "copy_rows: 4 rows x 8 lanes per pass");
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
 template <typename Idx>
 __device__ __forceinline__ void cp_async_idx(uint32_t dst, const Idx* src, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src),
                "n"(sizeof(Idx)), "r"(valid ? static_cast<int>(sizeof(Idx)) : 0));
 }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+// 8 bytes, for fp8 rows (src-size 0 zero-fills).
+__device__ __forceinline__ void cp_async8(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 8 : 0));
 }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
@@ -75,7 +78,7 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
   }
 }
 
-template <typename T, typename Idx>
+template <typename T, typename Idx, bool Fp8>
 __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyParams<T> p) {
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* s_kv = smem;
@@ -156,7 +159,18 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
   bool bad = false;  // met a prefix slot outside kv_cache (checked_slot)
   auto load_tile = [&](int t, int stage) {
     const Idx* slots = s_slot[t % 3];
-    if (t < pre_tiles) {
+    if (Fp8 && t < pre_tiles) {
+      // An fp8 row lands in the chunks its T values will fill: the thread that copies chunk
+      // c's 8 bytes is the one that widens them in place (dequant_own_chunks), so no other
+      // thread's data is overwritten and no extra barrier is needed.
+      const int first = pre_begin + t * kKeys, r = warp * (kKeys / kWarps) + (lane >> 3);
+      const bool valid = first + r < pre_end;
+      const uint8_t* src = p.kv8 + (lane & 7) * 8;
+      if (valid) src += static_cast<int64_t>(checked_slot(p, slots[r], bad)) * p.kv_stride;
+      const uint32_t d = smem_addr(s_kv + stage * kStageBytes + r * kRowPitch) + (lane & 7) * 16;
+#pragma unroll
+      for (int c = 0; c < kChunks / 8; ++c) cp_async8(d + c * 128, src + c * 64, valid);
+    } else if (t < pre_tiles) {
       const int first = pre_begin + t * kKeys;
       copy_rows(s_kv + stage * kStageBytes, kKeys / kWarps, [&](int k) -> const T* {
         return first + k < pre_end ? p.kv + static_cast<int64_t>(checked_slot(p, slots[k], bad)) * p.kv_stride : nullptr;
@@ -189,6 +203,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
 
   // Pipeline: tile t+1's rows (and tile t+2's slots) load while tile t computes.
   if (n_tiles > 0) load_tile(0, 0);
+  const float k_scale = Fp8 ? kv_scale(p) : 1.f;
   for (int t = 0; t < n_tiles; ++t) {
     const int stage = t & 1;
     cp_async_wait<0>();
@@ -196,6 +211,13 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
     if (t + 1 < n_tiles) {
       if (warp == 0) load_slots(t + 2);
       load_tile(t + 1, stage ^ 1);
+    }
+    if (Fp8 && t < pre_tiles) {  // this thread's own 8-byte copies of tile t -> T in place
+      uint8_t* row = s_kv + stage * kStageBytes + (warp * (kKeys / kWarps) + (lane >> 3)) * kRowPitch + (lane & 7) * 16;
+#pragma unroll
+      for (int c = 0; c < kChunks / 8; ++c)
+        *reinterpret_cast<uint4*>(row + c * 128) = dequant8<T>(*reinterpret_cast<const uint2*>(row + c * 128), k_scale);
+      __syncthreads();  // the widened rows, for every warp
     }
     const uint32_t stage_off = stage * kStageBytes;
 
@@ -400,17 +422,28 @@ __global__ void __launch_bounds__(128) merge_splits_kernel(const VerifyParams<T>
 
 constexpr int kMaxSplits = 64;  // merge kernel keeps one weight per split in shared memory
 
+bool is_fp8_pool(const at::Tensor& kv_cache) {
+  return kv_cache.scalar_type() == at::kByte || kv_cache.scalar_type() == at::ScalarType::Float8_e4m3fn;
+}
+
 void check_rows(const at::Tensor& t, const char* name, const at::Tensor& q, int64_t rows) {
   check_cuda(t, name, q);
-  KD_CHECK(t.scalar_type() == q.scalar_type(), name, " must be ", dtype_name(q.scalar_type()),
-           " like q, got ", dtype_name(t.scalar_type()));
+  if (rows < 0) {  // the pool: q's dtype or e4m3 bytes
+    KD_CHECK(t.scalar_type() == q.scalar_type() || is_fp8_pool(t), name, " must be torch.",
+             dtype_name(q.scalar_type()), " like q, or float8_e4m3fn / uint8 (e4m3 bytes), got torch.",
+             dtype_name(t.scalar_type()));
+  } else {
+    KD_CHECK(t.scalar_type() == q.scalar_type(), name, " must be ", dtype_name(q.scalar_type()),
+             " like q, got ", dtype_name(t.scalar_type()));
+  }
   KD_CHECK((t.dim() == 2 && t.size(1) == kDqk) || (t.dim() == 3 && t.size(1) == 1 && t.size(2) == kDqk),
            name, " must be [", rows < 0 ? "S" : std::to_string(rows), ", 576] or [..., 1, 576], got ",
            t.sizes());
   if (rows >= 0) KD_CHECK(t.size(0) == rows, name, " must have ", rows, " rows like q, got ", t.size(0));
   check_last_contiguous(t, name);
-  KD_CHECK(t.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
-           " rows must be 16-byte aligned (row stride a multiple of 8 elements), got stride ",
+  const int64_t per16 = 16 / t.element_size();
+  KD_CHECK(t.stride(0) % per16 == 0 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
+           " rows must be 16-byte aligned (row stride a multiple of ", per16, " elements), got stride ",
            t.stride(0));
 }
 
@@ -427,7 +460,7 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
                      const at::Tensor& kv_indices, const at::Tensor& qo_indptr,
                      const at::Tensor& tree_k, const std::optional<at::Tensor>& tree_mask,
                      double sm_scale, const at::Tensor& out, const at::Tensor& lse,
-                     int64_t max_kv_len) {
+                     int64_t max_kv_len, const std::optional<at::Tensor>& k_scale, double k_scale_value) {
   KD_CHECK(q.is_cuda(), "q must be a CUDA tensor, got device ", q.device());
   check_dim(q, "q", 3);
   KD_CHECK(q.size(2) == kDqk, "q must be [T, H, 576] (512 absorbed nope + 64 rope), got ", q.sizes());
@@ -438,6 +471,18 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
            "q rows must be 16-byte aligned, got strides ", q.strides());
   const int64_t T = q.size(0), H = q.size(1);
   check_rows(kv_cache, "kv_cache", q, -1);
+  const bool fp8 = is_fp8_pool(kv_cache);
+  if (!fp8) {
+    KD_CHECK(!k_scale && k_scale_value == 1.0, "k_scale applies to an fp8 kv_cache only (kv_cache is torch.",
+             dtype_name(kv_cache.scalar_type()), ")");
+  }
+  KD_CHECK(std::isfinite(k_scale_value), "k_scale must be finite, got ", k_scale_value);
+  if (k_scale) {
+    KD_CHECK(k_scale->scalar_type() == at::kFloat && k_scale->numel() == 1,
+             "k_scale must be a float32 tensor of one element, got torch.", dtype_name(k_scale->scalar_type()), " ",
+             k_scale->sizes());
+    check_cuda(*k_scale, "k_scale", q);
+  }
   check_rows(tree_k, "tree_k", q, T);
   check_indptr(kv_indptr, "kv_indptr", q, -1);
   check_indptr(qo_indptr, "qo_indptr", q, kv_indptr.size(0));
@@ -482,7 +527,8 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   // Fewest waves per unit of prefix: time ~ ceil(tiles * s / slots) / s; among equals take the
   // smallest s (less to merge). Short prefixes (hint) are not cut below 256 keys per split
   // (128, one tile pair, for the seesaw kernel).
-  const VerifyKernel which = pick_verify_kernel(sm_scale);
+  VerifyKernel which = pick_verify_kernel(sm_scale);
+  if (fp8 && which == VerifyKernel::kWgmma) which = VerifyKernel::kPortable;  // no fp8 path there
   const int64_t slots = num_sms(q);  // one CTA per SM (registers; shared memory on sm_90)
   // Splitting only pays while the row tiles alone leave SMs idle: each split re-reads Q and
   // writes a 2 KB partial per row.
@@ -514,7 +560,10 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
     p.q_st = q.stride(0);
     p.q_sh = q.stride(1);
     p.kv = static_cast<const T_*>(kv_cache.data_ptr());
+    p.kv8 = fp8 ? static_cast<const uint8_t*>(kv_cache.data_ptr()) : nullptr;
     p.kv_stride = kv_cache.stride(0);
+    p.k_scale_ptr = k_scale ? k_scale->data_ptr<float>() : nullptr;
+    p.k_scale = static_cast<float>(k_scale_value);
     p.tree_k = static_cast<const T_*>(tree_k.data_ptr());
     p.tk_stride = tree_k.stride(0);
     p.kv_indptr = index_view(kv_indptr);
@@ -544,7 +593,8 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
     const bool idx32 = kv_indices.scalar_type() == at::kInt;
     const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(splits));
     if (which == VerifyKernel::kPortable) {
-      auto kernel = idx32 ? verify_attn_kernel<T_, int32_t> : verify_attn_kernel<T_, int64_t>;
+      auto kernel = fp8 ? (idx32 ? verify_attn_kernel<T_, int32_t, true> : verify_attn_kernel<T_, int64_t, true>)
+                        : (idx32 ? verify_attn_kernel<T_, int32_t, false> : verify_attn_kernel<T_, int64_t, false>);
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
       kernel<<<grid, kThreads, kSmemBytes, current_stream()>>>(p);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -573,12 +623,13 @@ std::tuple<at::Tensor, at::Tensor> verify_attn(const at::Tensor& q, const at::Te
                                                const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
                                                const at::Tensor& qo_indptr, const at::Tensor& tree_k,
                                                const std::optional<at::Tensor>& tree_mask,
-                                               double sm_scale, int64_t max_kv_len) {
+                                               double sm_scale, int64_t max_kv_len,
+                                               const std::optional<at::Tensor>& k_scale, double k_scale_value) {
   KD_CHECK(q.dim() == 3, "q must be [T, H, 576], got ", q.sizes());
   at::Tensor out = at::empty({q.size(0), q.size(1), kDv}, q.options());
   at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
   verify_attn_out(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale, out, lse,
-                  max_kv_len);
+                  max_kv_len, k_scale, k_scale_value);
   return {out, lse};
 }
 

@@ -7,6 +7,8 @@
 
 #include "common.cuh"
 
+#include <cuda_fp8.h>
+
 namespace kdtree {
 
 constexpr int kDqk = 576, kDv = 512;
@@ -18,8 +20,15 @@ constexpr float kRescaleSlack = 8.f;
 template <typename T> struct VerifyParams {
   const T* q;
   int64_t q_st, q_sh;
+  // The pool: rows of T, or (kv8 set: an fp8 pool) rows of e4m3 bytes that the kernels widen
+  // to T times k_scale (*k_scale_ptr when set, so a graph replays a changed scale) as they
+  // land in shared memory; kv then only gives zero-filling copies a valid address. kv_stride
+  // is in elements either way.
   const T* kv;
+  const uint8_t* kv8;
   int64_t kv_stride;
+  const float* k_scale_ptr;
+  float k_scale;
   const T* tree_k;
   int64_t tk_stride;
   // int32 or int64 each, independently (SGLang's graph buffers pass an int64 qo_indptr beside
@@ -57,6 +66,11 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool v
                "r"(valid ? 16 : 0));
 }
 
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
 // 2^x in one MUFU op (ex2.approx: ~2 ulp; exact 0 at -inf), as flash-attention kernels use.
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
@@ -74,6 +88,27 @@ template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float 
     r = *reinterpret_cast<uint32_t*>(&v);
   }
   return r;
+}
+
+// Eight e4m3 values (8 bytes, first in the low byte) -> eight T values times `scale`, as 16
+// bytes. e4m3 -> f16 is exact (the hardware conversion on sm_89+), so the only rounding is
+// the product's to T.
+template <typename T> __device__ __forceinline__ uint4 dequant8(uint2 v, float scale) {
+  uint4 r;
+  uint32_t* out = &r.x;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const uint32_t word = k < 2 ? v.x : v.y;
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
+        static_cast<__nv_fp8x2_storage_t>(word >> (16 * (k & 1))), __NV_E4M3);
+    const float2 f = __half22float2(__half2(h));
+    out[k] = pack2<T>(f.x * scale, f.y * scale);
+  }
+  return r;
+}
+
+template <typename T> __device__ __forceinline__ float kv_scale(const VerifyParams<T>& p) {
+  return p.k_scale_ptr ? *p.k_scale_ptr : p.k_scale;
 }
 
 // A prefix slot outside kv_cache never reaches memory: the loader reads row 0 in its place and

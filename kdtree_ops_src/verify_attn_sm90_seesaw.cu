@@ -35,8 +35,9 @@ constexpr int kOffK = kTileBytes;
 constexpr int kOffS1 = kOffK + 2 * kTileBytes;
 constexpr int kOffMax = kOffS1 + kBlockBytes;    // [64] running max, handed WG0 -> WG1 -> WG0
 constexpr int kOffSum = kOffMax + kRows * 4;     // [2][64] each consumer's row sums
-constexpr int kOffBar = kOffSum + 2 * kRows * 4; // mbarriers: Q full, K ready [buf][half], K free [buf][half]
-constexpr int kOffTile = kOffBar + 8 * 9;
+// mbarriers: Q full, K ready [buf][half], K free [buf][half], K landed [buf][half] (fp8 pools)
+constexpr int kOffBar = kOffSum + 2 * kRows * 4;
+constexpr int kOffTile = kOffBar + 8 * 13;
 // The dynamic shared window is only 16-byte aligned; swizzled blocks need 1024.
 constexpr int kSmemBytes = kOffTile + 8 + 1024;
 static_assert(kSmemBytes <= 227 * 1024, "must fit sm_90's 227 KB per block");
@@ -66,6 +67,16 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
       "@!all bra.uni WAIT;\n}\n" ::"r"(bar),
       "r"(parity)
       : "memory");
+}
+// Whether the phase of `parity` has completed, without waiting.
+__device__ __forceinline__ bool mbar_test(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
 }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
@@ -200,9 +211,101 @@ __device__ __forceinline__ SeesawSpan seesaw_span(const VerifyParams<T>& p, int 
   return c;
 }
 
+// The producer over an fp8 pool. Thread lt owns row lt / 2 of each tile and dims
+// [32 (lt % 2), +32) of each 64-dim column block: four 16-byte chunks of the swizzled K
+// buffer. A prefix row's 32 e4m3 bytes land by cp.async in the first two of those chunks
+// and the same thread widens them in place to T times k_scale once they are there, so no
+// thread waits on another's copies and no barrier joins them; a tree row (T already) or a
+// key past the end (zeros) lands in place directly. A half is ready once it is widened.
+// The producer polls two things and does whichever is possible: issue the next half's
+// copies (its buffer freed) or widen the oldest half in flight (landed). Widening a half
+// only after the next one's buffer is free would chain each odd tile's S to the even
+// tile's P V and undo the seesaw.
+template <typename T, typename Idx>
+__device__ __forceinline__ void produce_fp8(const VerifyParams<T>& p, uint32_t sK, uint8_t* k_smem,
+                                            const Idx* kv_indices, int q_begin, int prefix, int key_begin,
+                                            int key_end, int n_pairs, int lt, uint32_t bar_q, bool& bad) {
+  const int r = lt >> 1, hh = lt & 1;
+  const float k_scale = kv_scale(p);
+  // ready [buf][half] at bars + 8 (2 buf + half); free 32 bytes further, landed 64
+  const uint32_t bars = bar_q + 8;
+  auto chunk = [&](int i) { return r * 128 + (((4 * hh + i) ^ (r & 7)) << 4); };
+  auto key_of = [&](int pair, int tl) { return key_begin + pair * kPairKeys + tl * kTileKeys + r; };
+  auto slot_of = [&](int key) { return key < prefix && key < key_end ? __ldg(kv_indices + key) : Idx(0); };
+  // The halves in the order the consumers read them (see the bf16 producer).
+  // Half h of a pair: tile h % 2; dims 0-255 for h = 0, 3, dims 256-575 for h = 1, 2.
+  auto tile_of = [](int h) { return h & 1; };
+  auto half_of = [](int h) { return (h ^ (h >> 1)) & 1; };
+  Idx slot0 = slot_of(key_of(0, 0)), slot1 = slot_of(key_of(0, 1));  // scalars: no runtime-indexed array
+  auto issue = [&](int pr, int h) {
+    const int tl = tile_of(h), cb0 = half_of(h) ? 4 : 0, cb1 = half_of(h) ? kCols : 4;
+    const int key = key_of(pr, tl);
+    const uint32_t base = sK + tl * kTileBytes;
+    if (key < prefix && key < key_end) {
+      const uint8_t* src = p.kv8 + static_cast<int64_t>(checked_slot(p, tl ? slot1 : slot0, bad)) * p.kv_stride + hh * 32;
+#pragma unroll
+      for (int cb = cb0; cb < cb1; ++cb) {
+        cp_async16(base + cb * kBlockBytes + chunk(0), src + cb * 64, true);
+        cp_async16(base + cb * kBlockBytes + chunk(1), src + cb * 64 + 16, true);
+      }
+    } else {
+      const bool valid = key < key_end;
+      const T* src = p.tree_k + (valid ? static_cast<int64_t>(q_begin + key - prefix) * p.tk_stride : 0) + hh * 32;
+#pragma unroll
+      for (int cb = cb0; cb < cb1; ++cb)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) cp_async16(base + cb * kBlockBytes + chunk(i), src + cb * 64 + i * 8, valid);
+    }
+  };
+  auto widen = [&](int pr, int h) {
+    const int tl = tile_of(h), cb0 = half_of(h) ? 4 : 0, cb1 = half_of(h) ? kCols : 4;
+    const int key = key_of(pr, tl);
+    if (key < prefix && key < key_end) {
+      uint8_t* base = k_smem + tl * kTileBytes;
+#pragma unroll
+      for (int cb = cb0; cb < cb1; ++cb) {
+        uint8_t* blk = base + cb * kBlockBytes;
+        const uint4 a = *reinterpret_cast<const uint4*>(blk + chunk(0));
+        const uint4 b = *reinterpret_cast<const uint4*>(blk + chunk(1));
+        *reinterpret_cast<uint4*>(blk + chunk(0)) = dequant8<T>(make_uint2(a.x, a.y), k_scale);
+        *reinterpret_cast<uint4*>(blk + chunk(1)) = dequant8<T>(make_uint2(a.z, a.w), k_scale);
+        *reinterpret_cast<uint4*>(blk + chunk(2)) = dequant8<T>(make_uint2(b.x, b.y), k_scale);
+        *reinterpret_cast<uint4*>(blk + chunk(3)) = dequant8<T>(make_uint2(b.z, b.w), k_scale);
+      }
+    }
+    fence_proxy_async();  // the widened rows are read by wgmma (async proxy)
+    mbar_arrive(bars + 8 * (2 * tl + half_of(h)));
+  };
+  const int total = 4 * n_pairs;  // halves, in consumer order
+  int issued = 0, widened = 0;
+  while (widened < total) {
+    bool progressed = false;
+    if (issued < total) {
+      const int pr = issued >> 2, h = issued & 3, sidx = 2 * tile_of(h) + half_of(h);
+      if (mbar_test(bars + 32 + 8 * sidx, (pr & 1) ^ 1)) {  // a fresh barrier's "previous phase" is complete
+        issue(pr, h);
+        cp_async_arrive(bars + 64 + 8 * sidx);
+        if (h == 2) slot0 = slot_of(key_of(pr + 1, 0));
+        if (h == 3) slot1 = slot_of(key_of(pr + 1, 1));
+        ++issued;
+        progressed = true;
+      }
+    }
+    if (widened < issued) {
+      const int pr = widened >> 2, h = widened & 3;
+      if (mbar_test(bars + 64 + 8 * (2 * tile_of(h) + half_of(h)), pr & 1)) {
+        widen(pr, h);
+        ++widened;
+        progressed = true;
+      }
+    }
+    if (!progressed) __nanosleep(20);
+  }
+}
+
 #endif  // sm_90a
 
-template <typename T, typename Idx>
+template <typename T, typename Idx, bool Fp8>
 __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const VerifyParams<T> p) {
 #ifdef KD_SM90A
   extern __shared__ uint8_t smem_raw[];
@@ -228,7 +331,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
   }
   if (tid == 32) {
     mbar_init(bar_q, kWgThreads);
-    for (int i = 0; i < 8; ++i) mbar_init(bar_q + 8 * (1 + i), kWgThreads);
+    for (int i = 0; i < 12; ++i) mbar_init(bar_q + 8 * (1 + i), kWgThreads);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -264,14 +367,17 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
     cp_async_arrive(bar_q);
 
     const Idx* kv_indices = static_cast<const Idx*>(p.kv_indices) + kv_begin;
-    // Key of this thread's row i (tile i / 4, row grp + 16 (i % 4)) of a pair; the prefix slot
-    // behind it (0 for a tree key or past the end), as loaded: checked only where a copy uses
-    // it, half a pair later, so no instruction waits on the load before then.
-    auto key_of = [&](int pair, int i) { return key_begin + pair * kPairKeys + (i >> 2) * kTileKeys + grp + 16 * (i & 3); };
     bool bad = false;  // met a prefix slot outside kv_cache (checked_slot)
     auto slot_of = [&](int key) {
       return key < prefix && key < key_end ? __ldg(kv_indices + key) : Idx(0);
     };
+    if constexpr (Fp8) {
+      produce_fp8(p, sK, smem + kOffK, kv_indices, q_begin, prefix, key_begin, key_end, n_pairs, lt, bar_q, bad);
+    } else {
+    // Key of this thread's row i (tile i / 4, row grp + 16 (i % 4)) of a pair; the prefix slot
+    // behind it (0 for a tree key or past the end), as loaded: checked only where a copy uses
+    // it, half a pair later, so no instruction waits on the load before then.
+    auto key_of = [&](int pair, int i) { return key_begin + pair * kPairKeys + (i >> 2) * kTileKeys + grp + 16 * (i & 3); };
     // Row `key`'s first byte (row 0 of the pool past this CTA's keys, read as zeros).
     auto row_of = [&](int key, Idx slot) -> const T* {
       if (key >= key_end) return p.kv;
@@ -318,6 +424,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
 #pragma unroll
       for (int i = 4; i < 8; ++i) slot[i] = slot_of(key_of(pr + 1, i));
       free_parity ^= 1;
+    }
     }
     bar_or<kBarLoaded, kThreads>(bad);
   } else {
@@ -610,7 +717,8 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
 
 template <typename T>
 void launch_verify_attn_seesaw(const VerifyParams<T>& p, bool idx32, dim3 grid, cudaStream_t stream) {
-  auto kernel = idx32 ? verify_attn_seesaw_kernel<T, int32_t> : verify_attn_seesaw_kernel<T, int64_t>;
+  auto kernel = p.kv8 ? (idx32 ? verify_attn_seesaw_kernel<T, int32_t, true> : verify_attn_seesaw_kernel<T, int64_t, true>)
+                      : (idx32 ? verify_attn_seesaw_kernel<T, int32_t, false> : verify_attn_seesaw_kernel<T, int64_t, false>);
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
