@@ -95,16 +95,36 @@ def merge_samples(device, seed):
 
 
 def verify_samples(device, seed, out=False):
-    shapes = [(([23, 5], [3, 6], 2), {}), (([1500, 40], [9, 13], 16), {"pool": 4000}), (([40, 3], [5, 2], 4), {"causal": True})]
+    """verify_attn's (verify_attn_out's) positional op arguments through max_kv_len, and for
+    fp8 pools (e4m3 bytes, as SGLang stores them) on to k_scale, k_scale_value: each k_scale
+    form once, a tensor's value changing with the seed (a host float cannot)."""
+    shapes = [(([23, 5], [3, 6], 2), {}, None), (([1500, 40], [9, 13], 16), {"pool": 4000}, None),
+              (([40, 3], [5, 2], 4), {"causal": True}, None),
+              (([31, 4], [5, 3], 3), {}, "tensor [1]"), (([9], [6], 2), {"causal": True}, "tensor []"),
+              (([17, 0], [2, 7], 1), {}, "float"), (([12], [3], 2), {}, "none")]
     samples = []
-    for (prefix_lens, node_counts, heads), kw in shapes:
+    for (prefix_lens, node_counts, heads), kw, k_scale in shapes:
         case = make_verify_case(prefix_lens, node_counts, heads, device=device, seed=seed, **kw)
+        if k_scale is not None:
+            value = 0.37 if k_scale == "float" else 1.0 if k_scale == "none" else 0.3 + 0.11 * seed
+            case = fp8_pool(case, torch.uint8, value, seed=seed)[0]
         args = verify_args(case)
         if out:
             T = case["q"].shape[0]
             args += [torch.zeros(T, heads, 512, device=device, dtype=torch.bfloat16), torch.zeros(T, heads, device=device)]
-        samples.append((tuple(args), {"max_kv_len": max(prefix_lens)}))
+        args.append(max(prefix_lens))
+        if k_scale is not None:
+            tensor = case["k_scale"].reshape(() if k_scale == "tensor []" else (1,))
+            args += [tensor, 1.0] if k_scale.startswith("tensor") else [None, case["k_scale_float"]]
+        samples.append((tuple(args), {}))
     return samples
+
+
+def _verify_kw(max_kv_len=-1, k_scale=None, k_scale_value=1.0):
+    """The op's trailing arguments as verify_attn's keywords."""
+    if k_scale is None and k_scale_value != 1.0:
+        k_scale = k_scale_value
+    return dict(max_kv_len=None if max_kv_len < 0 else max_kv_len, k_scale=k_scale)
 
 
 def mask_samples(device, seed):
@@ -206,9 +226,9 @@ def _sglang_build_tree_call(lp, tok, budget, depth_bonus, log_budget, stop_margi
 SAMPLES = {
     "merge_state": OpSamples(merge_samples, kdtree_ops.merge_state, 1e-2),
     "merge_state_": OpSamples(merge_samples, kdtree_ops.merge_state_, 1e-2),
-    "verify_attn": OpSamples(verify_samples, kdtree_ops.verify_attn, 1e-2),
+    "verify_attn": OpSamples(verify_samples, lambda *a: kdtree_ops.verify_attn(*a[:8], **_verify_kw(*a[8:])), 1e-2),
     "verify_attn_out": OpSamples(functools.partial(verify_samples, out=True),
-                                 lambda *a, **kw: kdtree_ops.verify_attn(*a[:8], out=a[8], lse=a[9], **kw), 1e-2),
+                                 lambda *a: kdtree_ops.verify_attn(*a[:8], out=a[8], lse=a[9], **_verify_kw(*a[10:])), 1e-2),
     "pack_tree_mask": OpSamples(mask_samples, kdtree_ops.pack_tree_mask),
     "sglang_mask_to_packed": OpSamples(
         sglang_mask_samples, lambda c, m, q, k, rows, nodes: kdtree_ops.sglang_mask_to_packed(c, m, q, k, num_rows=rows, max_nodes=nodes)),
@@ -434,6 +454,11 @@ def _draft_kw(device):
     return dict(logits=torch.randn(3, 5, 97, device=device), k=7)
 
 
+def _fp8_kv(kw, **change):
+    """The case's pool as e4m3 bytes (SGLang's fp8 pool), and ``change``."""
+    return dict(kv_cache=kw["kv_cache"].float().clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8), **change)
+
+
 NAN_ROWS = "the kernel flags the error on the device and writes NaN rows"
 MASK_GUARD = "the row reads nothing and gets no bits; the kernel flags the error on the device"
 BAD_INPUTS = [
@@ -446,7 +471,25 @@ BAD_INPUTS = [
     bad_verify("q float32", lambda kw, d: dict(q=kw["q"].float()), "q must be bfloat16 or float16, got torch.float32"),
     bad_verify("q float64", lambda kw, d: dict(q=kw["q"].double()), "q must be bfloat16 or float16, got torch.float64"),
     bad_verify("q [T, H, 512]", lambda kw, d: dict(q=kw["q"][..., :512]), "q must be [T, H >= 1, 576]"),
-    bad_verify("kv_cache float16", lambda kw, d: dict(kv_cache=kw["kv_cache"].half()), "kv_cache must be torch.bfloat16 like q"),
+    bad_verify("kv_cache float16", lambda kw, d: dict(kv_cache=kw["kv_cache"].half()),
+               "kv_cache must be torch.bfloat16 like q, or float8_e4m3fn / uint8 (e4m3 bytes), got torch.float16"),
+    bad_verify("kv_cache float8_e5m2", lambda kw, d: dict(kv_cache=kw["kv_cache"].to(torch.float8_e5m2)),
+               "kv_cache must be torch.bfloat16 like q, or float8_e4m3fn / uint8 (e4m3 bytes), got torch.float8_e5m2"),
+    bad_verify("k_scale tensor with a bfloat16 kv_cache", lambda kw, d: dict(k_scale=torch.ones(1, device=d)),
+               "k_scale applies to an fp8 kv_cache only (kv_cache is torch.bfloat16)"),
+    bad_verify("k_scale = 1.0 with a bfloat16 kv_cache", lambda kw, d: dict(k_scale=1.0),
+               "k_scale applies to an fp8 kv_cache only (kv_cache is torch.bfloat16)"),
+    bad_verify("k_scale float16 [2]", lambda kw, d: _fp8_kv(kw, k_scale=torch.ones(2, device=d, dtype=torch.float16)),
+               "k_scale must be a float32 tensor of one element, got torch.float16 (2,)"),
+    bad_verify("k_scale float32 [1, 1]", lambda kw, d: _fp8_kv(kw, k_scale=torch.ones(1, 1, device=d)),
+               "k_scale must be a float32 tensor of one element, got torch.float32 (1, 1)"),
+    bad_verify("k_scale float64 []", lambda kw, d: _fp8_kv(kw, k_scale=torch.tensor(0.5, device=d, dtype=torch.float64)),
+               "k_scale must be a float32 tensor of one element, got torch.float64 ()"),
+    bad_verify("k_scale on another device", lambda kw, d: _fp8_kv(kw, k_scale=torch.ones(1, device=other_device(d))), "k_scale must be on"),
+    bad_verify("k_scale a string", lambda kw, d: _fp8_kv(kw, k_scale="0.5"),
+               "k_scale must be None, a float or a float32 tensor of one element, got str"),
+    bad_verify("k_scale = inf", lambda kw, d: _fp8_kv(kw, k_scale=math.inf), "k_scale must be finite, got inf"),
+    bad_verify("k_scale = nan", lambda kw, d: _fp8_kv(kw, k_scale=math.nan), "k_scale must be finite, got nan"),
     bad_verify("kv_cache on another device", lambda kw, d: dict(kv_cache=kw["kv_cache"].to(other_device(d))), "kv_cache must be on"),
     bad_verify("tree_k with fewer rows than q", lambda kw, d: dict(tree_k=kw["tree_k"][:2]), "tree_k must have 5 rows like q"),
     bad_verify("kv_indptr int16", lambda kw, d: dict(kv_indptr=kw["kv_indptr"].short()), "kv_indptr must be 1-D int32 or int64"),
@@ -471,6 +514,8 @@ BAD_INPUTS = [
                "kv_indptr[-1] must be at most 14 (len(kv_indices)), got 15", NAN_ROWS),
     bad_verify("qo_indptr[-1] < T (rows of q)", lambda kw, d: dict(qo_indptr=_set(kw["qo_indptr"], 2, 4)),
                "qo_indptr[-1] must be 5 (rows of q), got 4", NAN_ROWS),
+    bad_verify("k_scale tensor holding inf", lambda kw, d: _fp8_kv(kw, k_scale=torch.full((1,), math.inf, device=d)),
+               "k_scale must be finite, got inf", "unchecked: the prefix rows are multiplied by it"),
     bad_verify("tree_mask narrower than a request's nodes", lambda kw, d: dict(tree_mask=kw["tree_mask"][:, :1]),
                "tree_mask must have at least 2 words per row (a request has 33 nodes), got 1",
                NAN_ROWS, shape=([4], [33], 1), pool=64),
@@ -853,6 +898,98 @@ def test_verify_attn_reference_rows_that_see_nothing():
     assert lse[0, 0] == -math.inf and torch.all(out[0] == 0) and torch.isfinite(lse[1]).all()
 
 
+FP8_STORAGES = [torch.uint8, torch.float8_e4m3fn]  # uint8: e4m3 bytes, as SGLang stores fp8 pools
+FP8_IDS = ["uint8", "float8_e4m3fn"]
+E4M3_CODES = torch.tensor([c for c in range(256) if c not in (0x7F, 0xFF)], dtype=torch.uint8)  # all but NaN
+
+
+def e4m3_values(pool: torch.Tensor) -> torch.Tensor:
+    """float64 values of e4m3 (float8_e4m3fn) bytes, decoded by hand: bias 7, subnormals
+    m * 2^-9, no infinities, NaN only at 0x7f / 0xff."""
+    b = pool.view(torch.uint8).long()
+    e, m = (b >> 3) & 15, (b & 7).double()
+    magnitude = torch.where(e == 0, m * 2.0**-9, (8 + m) * torch.exp2(e.double() - 10))
+    return torch.where((b & 127) == 127, math.nan, torch.where(b >= 128, -magnitude, magnitude))
+
+
+def dequantized(pool: torch.Tensor, k_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The rows an fp8 pool stands for, as the CUDA kernels read them: dtype(e4m3 * k_scale),
+    the product rounded to float32 first."""
+    return (e4m3_values(pool) * k_scale.double()).float().to(dtype)
+
+
+def fp8_pool(case, storage, k_scale: float, *, source="float", seed=None):
+    """``case`` with an e4m3 pool in ``storage`` and ``k_scale`` (a float32 [1] tensor in
+    "k_scale", the float in "k_scale_float"): the case's rows / k_scale rounded to e4m3 (source
+    "float", as SGLang stores k / k_scale) or random non-NaN bytes ("bytes"); unused slots
+    hold NaN either way. Also returns the reference case: the same with the pool dequantized
+    to q's dtype, where bf16's tolerance applies."""
+    kv = case["kv_cache"]
+    rows = kv.reshape(kv.shape[0], kdtree_ops.MLA_QK_DIM)
+    if source == "float":
+        codes = (rows.float() / k_scale).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+    else:
+        g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+        codes = E4M3_CODES[torch.randint(0, len(E4M3_CODES), rows.shape, generator=g)].to(kv.device)
+        unused = torch.ones(rows.shape[0], dtype=torch.bool, device=kv.device)
+        unused[case["kv_indices"].long()] = False
+        codes[unused] = 0x7F
+    pool = codes.view(storage).view(kv.shape)
+    case = dict(case, kv_cache=pool, k_scale=torch.tensor([k_scale], device=kv.device), k_scale_float=k_scale)
+    return case, dict(case, kv_cache=dequantized(pool, case["k_scale"], case["q"].dtype))
+
+
+# Pools the CUDA verify tests run over: (storage, source, k_scale) of fp8_pool, or q's own dtype.
+POOLS = {
+    "q_dtype": None,
+    "float8_e4m3fn": (torch.float8_e4m3fn, "float", 0.37),
+    "uint8": (torch.uint8, "float", 0.37),
+    "uint8_random_bytes": (torch.uint8, "bytes", 1 / 90),
+}
+
+
+def with_pool(case, pool):
+    """(case, verify_attn's k_scale keyword, the reference case) for one of POOLS."""
+    if POOLS[pool] is None:
+        return case, {}, case
+    storage, source, k_scale = POOLS[pool]
+    case, ref = fp8_pool(case, storage, k_scale, source=source)
+    return case, {"k_scale": case["k_scale"]}, ref
+
+
+@pytest.mark.parametrize("kv_3d", [False, True])
+@pytest.mark.parametrize("source", ["float", "bytes"])
+@pytest.mark.parametrize("storage", FP8_STORAGES, ids=FP8_IDS)
+def test_verify_attn_reference_fp8_is_the_dequantized_pool(storage, source, kv_3d):
+    """verify_attn on the CPU over an fp8 pool is the reference over a float32 pool of the
+    hand-decoded e4m3 values times k_scale, bit for bit, whichever form k_scale takes (tree_k
+    unscaled); with a power-of-two k_scale the dequantized rows are exact in bf16, and
+    verify_attn over that bf16 pool gives the same bits."""
+    case, _ = fp8_pool(make_verify_case([13, 0, 29], [3, 5, 1], 3, device="cpu", kv_3d=kv_3d), storage, 0.37, source=source)
+    scale, args = case["k_scale"], verify_args(case)
+    want = kdtree_ops.verify_attn_reference(*verify_args(dict(case, kv_cache=dequantized(case["kv_cache"], scale, torch.float32))))
+    for k_scale in (0.37, scale, scale.reshape(())):
+        out, lse = kdtree_ops.verify_attn(*args, k_scale=k_scale)
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), k_scale
+    four = torch.tensor([4.0])
+    bf16 = dict(case, kv_cache=dequantized(case["kv_cache"], four, torch.bfloat16))
+    for from_fp8, from_bf16 in zip(kdtree_ops.verify_attn(*args, k_scale=four), kdtree_ops.verify_attn(*verify_args(bf16))):
+        assert torch.equal(from_fp8, from_bf16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["verify_attn", "verify_attn_out"])
+def test_verify_attn_opcheck_float8_e4m3fn_pool(name, device):
+    """SAMPLES' fp8 samples (e4m3 bytes, every k_scale form) with a float8_e4m3fn pool instead.
+    Without opcheck's test_schema: it compares inputs by allclose, which float8 lacks."""
+    op = getattr(torch.ops.kdtree, name).default
+    fp8 = [args for args, _ in SAMPLES[name].make(device, 0) if args[1].dtype == torch.uint8]
+    assert len(fp8) == 4
+    for args in fp8:
+        args = (*args[:1], args[1].view(torch.float8_e4m3fn), *args[2:])
+        torch.library.opcheck(op, args, test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
 VERIFY_GRID = [  # (prefix lens, node counts, heads)
     ([0], [9], 16),  # no prefix
     ([37, 0], [9, 5], 16),
@@ -886,24 +1023,90 @@ def verify_kernel(request, monkeypatch):
 
 @needs_gpu
 @pytest.mark.parametrize("prefix_lens,node_counts,heads", VERIFY_GRID)
-def test_verify_attn_cuda_matches_float64(verify_kernel, prefix_lens, node_counts, heads):
-    case = make_verify_case(prefix_lens, node_counts, heads)
-    out, lse = kdtree_ops.verify_attn(*verify_args(case))
-    assert_verify_close(out, lse, case)
-    # the split count follows the hint; the result must not
-    out2, lse2 = kdtree_ops.verify_attn(*verify_args(case), max_kv_len=max(prefix_lens))
-    assert_verify_close(out2, lse2, case)
+@pytest.mark.parametrize("pool", list(POOLS))
+def test_verify_attn_cuda_matches_float64(verify_kernel, prefix_lens, node_counts, heads, pool):
+    case, kw, ref = with_pool(make_verify_case(prefix_lens, node_counts, heads), pool)
+    out, lse = kdtree_ops.verify_attn(*verify_args(case), **kw)
+    assert_verify_close(out, lse, ref)
+    # the split count follows the hint, and k_scale may be a host float; the result must not change
+    kw = {"k_scale": case["k_scale_float"]} if kw else {}
+    out2, lse2 = kdtree_ops.verify_attn(*verify_args(case), max_kv_len=max(prefix_lens), **kw)
+    assert_verify_close(out2, lse2, ref)
 
 
 @needs_gpu
+@pytest.mark.parametrize("pool", list(POOLS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("causal", [False, True])
-def test_verify_attn_cuda_dtypes_layouts(verify_kernel, dtype, index_dtype, causal):
-    case = make_verify_case([513, 64], [16, 7], 8, dtype=dtype, index_dtype=index_dtype,
-                            causal=causal, kv_3d=index_dtype == torch.int64)
-    out, lse = kdtree_ops.verify_attn(*verify_args(case))
-    assert_verify_close(out, lse, case)
+def test_verify_attn_cuda_dtypes_layouts(verify_kernel, dtype, index_dtype, causal, pool):
+    case, kw, ref = with_pool(make_verify_case([513, 64], [16, 7], 8, dtype=dtype, index_dtype=index_dtype,
+                                               causal=causal, kv_3d=index_dtype == torch.int64), pool)
+    out, lse = kdtree_ops.verify_attn(*verify_args(case), **kw)
+    assert_verify_close(out, lse, ref)
+
+
+@needs_gpu
+@pytest.mark.parametrize("storage", FP8_STORAGES, ids=FP8_IDS)
+def test_verify_attn_cuda_fp8_tiny_and_large_rows(verify_kernel, storage):
+    """k_scale != 1 over rows of 2^-9 to 2^8 (in e4m3 units; tiny rows are mostly e4m3
+    subnormals): request 0 sees only tiny rows (and tiny tree latents), request 1 only large
+    ones, request 2 both; every (node, head) row within bf16's tolerance on its own scale."""
+    case = make_verify_case([600, 450, 900], [7, 3, 12], 4)
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    kvp, slots, k_scale = case["kv_indptr"].tolist(), case["kv_indices"].long().cpu(), 0.0731
+    log2 = torch.zeros(case["kv_cache"].shape[0])
+    for (lo, hi), a, b in zip([(-9, -5), (3, 8), (-9, 8)], kvp, kvp[1:]):
+        log2[slots[a:b]] = lo + (hi - lo) * torch.rand(b - a, generator=g)
+    case["kv_cache"] = case["kv_cache"] * (torch.exp2(log2) * k_scale)[:, None].to(case["kv_cache"])
+    case["tree_k"][:7] *= 2**-7 * k_scale
+    case, ref = fp8_pool(case, storage, k_scale)
+    used = case["kv_cache"].view(torch.uint8)[case["kv_indices"].long()]
+    assert {*range(0x01, 0x08), *range(0x81, 0x88)} <= set(used.unique().tolist())
+    out, lse = kdtree_ops.verify_attn(*verify_args(case), k_scale=case["k_scale"])
+    assert_verify_close(out, lse, ref)
+    rows_close(out.flatten(1), verify_reference(ref)[0].flatten(1), 4, ROW_TOL["cuda"])
+
+
+@needs_gpu
+@pytest.mark.parametrize("storage", FP8_STORAGES, ids=FP8_IDS)
+def test_verify_attn_cuda_fp8_graph_replay(verify_kernel, storage):
+    """Captured once over an fp8 pool with a k_scale tensor; every replay gets other rows,
+    slots and trees, and another k_scale value, which the kernel reads on the device."""
+    sm_scale, scales = 1.0 / math.sqrt(192), iter([0.37, 1.9, 0.013])
+
+    def fresh():
+        case, _ = fp8_pool(make_verify_case([1500, 0, 77], [9, 5, 17], 16, pool=4000), storage, next(scales))
+        return [case[k] for k in VERIFY_ARGS[:-1]] + [case["k_scale"]]
+
+    def check(inputs, out):
+        case = dict(zip(VERIFY_ARGS, [*inputs[:-1], sm_scale]))
+        assert_verify_close(out[0], out[1], dict(case, kv_cache=dequantized(inputs[1], inputs[-1], case["q"].dtype)))
+
+    graph_replay(lambda *a: kdtree_ops.verify_attn(*a[:-1], sm_scale, max_kv_len=2048, k_scale=a[-1]), fresh, check)
+
+
+@needs_gpu
+@pytest.mark.parametrize("storage", FP8_STORAGES, ids=FP8_IDS)
+def test_verify_attn_cuda_fp8_compiles(verify_kernel, storage):
+    """torch.compile(fullgraph=True) over an fp8 pool, k_scale a tensor and a host float."""
+    case, ref = fp8_pool(make_verify_case([700, 33], [9, 17], 8), storage, 0.37)
+    for k_scale in (case["k_scale"], case["k_scale_float"]):
+        compiled = torch.compile(lambda *a: kdtree_ops.verify_attn(*a[:-1], max_kv_len=700, k_scale=a[-1]), fullgraph=True)
+        out, lse = compiled(*verify_args(case), k_scale)
+        assert_verify_close(out, lse, ref)
+        torch._dynamo.reset()
+
+
+@needs_gpu
+def test_verify_attn_cuda_fp8_rows_must_be_aligned():
+    """CUDA reads fp8 rows 16 bytes at a time: a pool whose rows are not 16-byte aligned is
+    refused (the CPU reference needs no alignment)."""
+    case, _ = fp8_pool(make_verify_case([30], [5], 2), torch.uint8, 0.37)
+    wide = torch.zeros(case["kv_cache"].shape[0], 576 + 8, dtype=torch.uint8, device="cuda")
+    wide[:, 8:] = case["kv_cache"]
+    with pytest.raises(RuntimeError, match="kv_cache rows must be 16-byte aligned"):
+        kdtree_ops.verify_attn(*verify_args(dict(case, kv_cache=wide[:, 8:])), k_scale=case["k_scale"])
 
 
 @needs_gpu
@@ -953,15 +1156,29 @@ def test_verify_attn_cuda_indptr_dtypes(verify_kernel, kv_dtype, qo_dtype):
 
 
 @needs_gpu
-def test_verify_attn_cuda_long_context_and_big_pool():
-    """256k-token prefix with slots spread over a pool past 4 GB (64-bit offsets)."""
-    S = (5 << 30) // 1152  # 5 GiB of latent rows
+@pytest.mark.parametrize("pool", ["q_dtype", "uint8"])
+def test_verify_attn_cuda_long_context_and_big_pool(pool):
+    """256k-token prefix with slots spread over a pool past 4 GB (64-bit offsets), of bf16
+    rows or of e4m3 bytes (then checked on the used rows alone: dequantizing 5 GiB of bytes
+    in float64 would not fit)."""
+    fp8 = pool == "uint8"
+    S = (5 << 30) // (576 if fp8 else 1152)  # 5 GiB of latent rows
     case = make_verify_case([262144], [9], 16, pool=S)
     case["kv_indices"][-100:] = torch.arange(S - 100, S, device="cuda", dtype=torch.int32)
     case["kv_cache"][S - 100 :] = torch.randn(100, 576, device="cuda", dtype=torch.bfloat16)
-    out, lse = kdtree_ops.verify_attn(*verify_args(case))
-    assert_verify_close(out, lse, case)
-    del case
+    kw, ref = {}, case
+    if fp8:
+        slots = case["kv_indices"].long()
+        rows = case.pop("kv_cache")[slots]
+        pool8 = torch.full((S, 576), 0x7F, dtype=torch.uint8, device="cuda")
+        pool8[slots] = (rows.float() / 0.37).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+        scale = torch.tensor([0.37], device="cuda")
+        kw, case = {"k_scale": scale}, dict(case, kv_cache=pool8)
+        ref = dict(case, kv_cache=dequantized(pool8[slots], scale, torch.bfloat16),
+                   kv_indices=torch.arange(len(slots), device="cuda", dtype=torch.int32))
+    out, lse = kdtree_ops.verify_attn(*verify_args(case), **kw)
+    assert_verify_close(out, lse, ref)
+    del case, ref
     torch.cuda.empty_cache()
 
 
