@@ -1342,6 +1342,7 @@ MOVE_LAYOUTS = [
     ((576,), torch.bfloat16),
     ((1, 576), torch.bfloat16),
     ((576,), torch.uint8),
+    ((1, 576), torch.float8_e4m3fn),  # an fp8 pool's rows as SGLang's get_key_buffer views them
     ((1, 576), torch.float32),
     ((3,), torch.float32),  # 12-byte rows: 4-byte vectors
     ((1, 5), torch.bfloat16),  # 10-byte rows: 2-byte vectors
@@ -1458,11 +1459,28 @@ def accepted_paths(B, N, width, gen, device):
     return accepted.to(device), accept_len.to(device)
 
 
+def accept_pool(kind, S, device, g):
+    """Per-layer KV buffers of S slots: plain bf16 tensors, or SGLang's fp8 MLA pool as its
+    kv_buffer (uint8, what defrag and the hook move) or as get_key_buffer's e4m3 views."""
+    if kind == "bf16":
+        return kv_pool(S, (1, 24), torch.bfloat16, 3, device, g)
+    mp = pytest.importorskip("sglang.srt.mem_cache.memory_pool")
+    pool = mp.MLATokenToKVPool(size=S - 1, page_size=1, dtype=torch.float8_e4m3fn, kv_lora_rank=16, qk_rope_head_dim=8,
+                               layer_num=3, device=device, enable_memory_saver=False)
+    for buf in pool.kv_buffer:
+        assert buf.dtype == torch.uint8 and buf.shape[0] == S
+        buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=g))
+    if kind == "sglang-fp8":
+        return pool.kv_buffer
+    return [pool.get_key_buffer(i) for i in range(3)]
+
+
+@pytest.mark.parametrize("pool", ["bf16", "sglang-fp8", "sglang-fp8-view"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_commit_accept_compacts_windows(device):
+def test_commit_accept_compacts_windows(device, pool):
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     B, N, width, S, ctx = 5, 9, 7, 120, 64
-    kv = kv_pool(S, (1, 24), torch.bfloat16, 3, device, g)
+    kv = accept_pool(pool, S, device, g)
     loc = (torch.randperm(S - 1, generator=g)[: B * N] + 1).to(device)
     rows = torch.tensor([3, 1, 4, 2, 5], device=device)
     prefix = torch.tensor([0, 10, 50, 33, 7], device=device)
@@ -1521,6 +1539,7 @@ class PoolSim:
     exactly the bytes it wrote, in order, and that slot ownership is a partition."""
 
     def __init__(self, kind, device, size=48, rows=5, ctx=40, layers=2, gen=None):
+        kv_dtype = torch.float8_e4m3fn if kind.endswith("-fp8") else torch.bfloat16  # fp8: uint8 storage
         self.gen, self.size, self.rows, self.ctx = gen, size, rows, ctx
         if kind == "tensor":
             self.pool = defrag.TensorPool(
@@ -1534,12 +1553,12 @@ class PoolSim:
             mp = pytest.importorskip("sglang.srt.mem_cache.memory_pool")
             tok = pytest.importorskip("sglang.srt.mem_cache.allocator.token")
             rtp = mp.ReqToTokenPool(size=rows, max_context_len=ctx, device=device, enable_memory_saver=False)
-            kv = mp.MLATokenToKVPool(size=size, page_size=1, dtype=torch.bfloat16, kv_lora_rank=4, qk_rope_head_dim=2,
+            kv = mp.MLATokenToKVPool(size=size, page_size=1, dtype=kv_dtype, kv_lora_rank=4, qk_rope_head_dim=2,
                                      layer_num=layers, device=device, enable_memory_saver=False)
-            self.allocator = tok.TokenToKVPoolAllocator(size=size, dtype=torch.bfloat16, device=device, kvcache=kv,
+            self.allocator = tok.TokenToKVPoolAllocator(size=size, dtype=kv_dtype, device=device, kvcache=kv,
                                                         need_sort=kind != "sglang-nosort")
-            if kind == "sglang-shared":  # a one-layer MLA draft (DeepSeek's MTP/EAGLE) on the same table
-                draft = mp.MLATokenToKVPool(size=size, page_size=1, dtype=torch.bfloat16, kv_lora_rank=4, qk_rope_head_dim=2,
+            if kind.startswith("sglang-shared"):  # a one-layer MLA draft (DeepSeek's MTP/EAGLE) on the same table
+                draft = mp.MLATokenToKVPool(size=size, page_size=1, dtype=kv_dtype, kv_lora_rank=4, qk_rope_head_dim=2,
                                             layer_num=1, device=device, enable_memory_saver=False)
                 self.pool = sglang_hook._SharedTablePool(rtp, self.allocator, [kv, draft])
             else:
@@ -1547,6 +1566,7 @@ class PoolSim:
         self.device = device
         self.lens: dict[int, int] = {}
         self.want: dict[int, torch.Tensor] = {}  # row -> [len, layers, row bytes] uint8
+        assert all((kv.dtype == torch.uint8) == (kv_dtype == torch.float8_e4m3fn) for kv in self.layers())
 
     # allocator
     def free_count(self):
@@ -1696,12 +1716,13 @@ def test_defrag_history_tensor_pool(device, data):
     run_history(sim, data)
 
 
-@pytest.mark.parametrize("kind", ["sglang-sort", "sglang-nosort", "sglang-shared"])
+@pytest.mark.parametrize("kind", ["sglang-sort", "sglang-nosort", "sglang-shared", "sglang-shared-fp8"])
 @HISTORY_SETTINGS
 @given(data=st.data())
 def test_defrag_history_sglang_pool(kind, data):
     """Random histories on SGLang 0.5.23's pools and allocator, with stale plans, duplicate
-    requests and (sglang-shared) a draft pool on the same req_to_token, checked after every step."""
+    requests and (sglang-shared) a draft pool on the same req_to_token, checked after every step;
+    -fp8: both are SGLang's fp8 MLA pools (e4m3 bytes in uint8 buffers), moved as bytes."""
     sim = PoolSim(kind, "cpu", gen=torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1))))
     run_history(sim, data)
 
@@ -2303,19 +2324,24 @@ def test_hook_ddtree_and_defrag_status(sgl, caplog, monkeypatch):
     assert "defrag off" in caplog.text and "radix" in caplog.text
 
 
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["kv-q-dtype", "kv-fp8"])
 @pytest.mark.parametrize("draft_seen", [True, False])
-def test_hook_defrag_moves_target_and_draft_kv(sgl, monkeypatch, caplog, draft_seen):
+def test_hook_defrag_moves_target_and_draft_kv(sgl, monkeypatch, caplog, draft_seen, kv_dtype):
     """KDTREE_DEFRAG=1 with a DFlash target and draft sharing the request table: defrag
     rewrites the table and moves the KV of both pools, so every request reads the same bytes
-    from each; when the draft's backend was not seen, defrag stays off and says why."""
+    from each; when the draft's backend was not seen, defrag stays off and says why. With
+    ``--kv-cache-dtype fp8_e4m3`` both of SGLang's pools hold e4m3 bytes in uint8 buffers."""
     monkeypatch.setenv("KDTREE_DEFRAG", "1")
     monkeypatch.setenv("KDTREE_DEFRAG_EVERY", "1")
     if draft_seen:
         sglang_hook.install("on")
-    srv = hook_server(sgl, "cpu", "dflash", server_args=dict(disable_radix_cache=True, disable_overlap_schedule=True))
+    srv = hook_server(sgl, "cpu", "dflash", server_args=dict(disable_radix_cache=True, disable_overlap_schedule=True),
+                      kv_dtype=kv_dtype)
     target = srv.runner
     draft = sgl.Runner(device="cpu", dtype=target.dtype, heads=2, layers=2, num_tokens_per_req=srv.N, mla=False,
-                       head_dim=32, draft_of=target)
+                       head_dim=32, draft_of=target, kv_dtype=kv_dtype)
+    buffers = target.kv_pool.kv_buffer + draft.kv_pool.k_buffer + draft.kv_pool.v_buffer
+    assert all((buf.dtype == torch.uint8) == (kv_dtype is not None) for buf in buffers)
     sglang_hook.install("on")
     g = torch.Generator().manual_seed(9)
     target.fill(g)
@@ -2328,7 +2354,7 @@ def test_hook_defrag_moves_target_and_draft_kv(sgl, monkeypatch, caplog, draft_s
         out = []
         for b, (row, n) in enumerate(zip(step.rows.tolist(), prefix_lens)):
             slots = table[row, :n].long()
-            out.append([buf[slots].clone() for buf in target.kv_pool.kv_buffer + draft.kv_pool.k_buffer + draft.kv_pool.v_buffer])
+            out.append([buf[slots].clone() for buf in buffers])
         return out
 
     before, runs_before = read_all(), defrag.fragmentation(table, step.rows, prefix_lens)
