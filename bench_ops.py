@@ -104,10 +104,28 @@ def summary():
     for r in RESULTS:
         cells = [r.get(k) for k in keys + extra]
         print(f"{r['name']:58s}" + "".join(f"{c:>11.4g}" if isinstance(c, float) else f"{str(c or ''):>11s}" for c in cells))
+    if FP8_RESULTS:
+        print_fp8_table()
     path = os.environ.get("KDTREE_BENCH_JSON")
     if path:
         with open(path, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "ceilings": ceil, "results": RESULTS}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "ceilings": ceil, "results": RESULTS,
+                       "fp8": FP8_RESULTS}, f, indent=1)
+
+
+FP8_COLUMNS = (("bf16_ms", "bf16 pool ms"), ("fp8_ms", "fp8 pool ms"), ("fp8_speedup", "bf16/fp8"),
+               ("sglang_fp8_ms", "SGLang fp8 ms"), ("speedup_vs_sglang", "SGLang/ours"),
+               ("err_fp8", "err ours"), ("err_sglang_fp8", "err SGLang"))
+
+
+def print_fp8_table() -> None:
+    """verify_attn on a bf16 pool vs the same rows in an fp8 pool vs SGLang's Triton fp8 verify;
+    errors are relative to the float64 reference on the dequantized rows."""
+    print(f"\nverify_attn over an fp8 KV pool (k_scale {FP8_K_SCALE}; cold: >= {COLD_BYTES / 1e6:.0f} MB of fp8 rows rotated)")
+    print(f"{'shape':30s}{'L2':>6s}" + "".join(f"{title:>15s}" for _, title in FP8_COLUMNS))
+    for r in FP8_RESULTS:
+        cells = [r.get(key) for key, _ in FP8_COLUMNS]
+        print(f"{r['shape']:30s}{r['L2']:>6s}" + "".join(f"{c:>15.4g}" if isinstance(c, float) else f"{'':>15s}" for c in cells))
 
 
 # ---- merge_state ----
@@ -184,6 +202,119 @@ def test_bench_verify_attn(benchmark, B, H, N, ctx):
     report(benchmark, f"verify_attn B={B} H={H} N={N} ctx={ctx}", ms, nbytes=nbytes, flops=flops, **extra)
     run(benchmark, ours)
     del case
+    torch.cuda.empty_cache()
+
+
+# ---- verify attention over an fp8 KV pool ----
+# `python -m pytest -s bench_ops.py -k verify_attn_fp8` runs these rows alone.
+
+
+FP8_BENCH = [  # (batch, heads, nodes, context): the FlashMLA table's shapes, then two memory-bound ones
+    (1, 16, 9, 4096),
+    (1, 16, 9, 32768),
+    (1, 16, 9, 131072),
+    (1, 128, 9, 131072),
+    (1, 128, 1, 131072),
+    (1, 128, 65, 32768),
+    (1, 16, 257, 32768),
+    (8, 16, 9, 65536),
+    (64, 128, 1, 8192),
+    (64, 16, 1, 8192),
+    (16, 16, 4, 32768),
+]
+FP8_K_SCALE = 0.5  # the pool holds kv / 0.5 in e4m3, as SGLang stores k / layer.k_scale
+COLD_BYTES = 240e6  # a cold run rotates over at least this many bytes of prefix rows per pool (L2: 50-60 MB)
+
+
+def fp8_pool(kv_cache: torch.Tensor, k_scale: float) -> torch.Tensor:
+    """kv_cache's rows as SGLang's fp8 MLA pool stores them: kv / k_scale rounded to e4m3, as
+    uint8 bytes (the slots no request uses hold NaN bytes, as in the bf16 pool)."""
+    return (kv_cache.float() / k_scale).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+class Fp8VerifySet:
+    """One verify batch three ways: ours on the bf16 pool, ours on the same rows quantized
+    to an fp8 pool, SGLang's Triton extend_attention_fwd on that fp8 pool with k/v descale
+    (None without SGLang's kernels)."""
+
+    def __init__(self, B, H, N, ctx, seed):
+        case = make_verify_case([ctx] * B, [N] * B, H, seed=seed)
+        self.case, self.ctx = case, ctx
+        self.kv8 = fp8_pool(case["kv_cache"], FP8_K_SCALE)
+        self.out = torch.empty(B * N, H, MLA_V_DIM, device="cuda", dtype=torch.bfloat16)
+        self.lse = torch.empty(B * N, H, device="cuda")
+        self.sg_out = torch.empty_like(self.out)
+        flat, mask_indptr = sglang_flat_mask(case)
+        args = verify_args(case)
+        args[1] = self.kv8
+        self.sglang = sglang_extend_attention(*args[:6], flat.cuda(), mask_indptr.cuda(), N, case["sm_scale"],
+                                              self.sg_out, k_scale=FP8_K_SCALE)
+
+    def ours(self, fp8: bool):
+        c = self.case
+        return kdtree_ops.verify_attn(c["q"], self.kv8 if fp8 else c["kv_cache"], c["kv_indptr"], c["kv_indices"],
+                                      c["qo_indptr"], c["tree_k"], c["tree_mask"], c["sm_scale"], out=self.out,
+                                      lse=self.lse, max_kv_len=self.ctx, k_scale=FP8_K_SCALE if fp8 else None)[0]
+
+    def errors(self) -> dict:
+        """Relative error against the float64 reference on the dequantized rows, of ours on
+        the fp8 pool and of SGLang's fp8 kernel (which rounds q and P to e4m3 as well)."""
+        c = self.case
+        ref, _ = kdtree_ops.verify_attn_reference(c["q"].double(), self.kv8, c["kv_indptr"], c["kv_indices"],
+                                                  c["qo_indptr"], c["tree_k"].double(), c["tree_mask"], c["sm_scale"],
+                                                  k_scale=FP8_K_SCALE)
+        err = {"err_fp8": rel_err(self.ours(True), ref)}
+        if self.sglang is not None:
+            err["err_sglang_fp8"] = rel_err(self.sglang(), ref)
+        return err
+
+
+def rotating(sets, fn):
+    """A zero-argument call that runs fn on the next set each time: captured once per set in
+    one graph (gpu_time_ms with graph_calls=len(sets)), every replay streams all of them."""
+    state = {"i": -1}
+
+    def call():
+        state["i"] = (state["i"] + 1) % len(sets)
+        return fn(sets[state["i"]])
+
+    return call
+
+
+FP8_RESULTS: list[dict] = []  # one row per shape and L2 state, for the fp8 summary table
+
+
+@pytest.mark.parametrize("B,H,N,ctx", FP8_BENCH)
+def test_bench_verify_attn_fp8(benchmark, B, H, N, ctx):
+    """Ours on a bf16 pool vs ours on the same rows in an fp8 pool vs SGLang's Triton fp8
+    verify, CUDA-graph replay; cold rotates over >= COLD_BYTES of fp8 prefix rows, hot repeats
+    one batch."""
+    T = B * N
+    fp8_bytes, bf16_bytes = B * ctx * MLA_QK_DIM, B * ctx * MLA_QK_DIM * 2
+    io_bytes = T * H * (MLA_QK_DIM + MLA_V_DIM) * 2
+    flops = B * N * H * (ctx + N) * 2 * (MLA_QK_DIM + MLA_V_DIM)
+    sets = [Fp8VerifySet(B, H, N, ctx, seed) for seed in range(max(2, math.ceil(COLD_BYTES / fp8_bytes)))]
+    shape = f"B={B} H={H} N={N} ctx={ctx}"
+    rows = {}
+    for mode, use in (("cold", sets), ("hot", sets[:1])):
+        calls = len(use) if mode == "cold" else 5
+        bf16_ms = gpu_time_ms(rotating(use, lambda s: s.ours(False)), reps=30, graph_calls=calls)
+        fp8_ms = gpu_time_ms(rotating(use, lambda s: s.ours(True)), reps=30, graph_calls=calls)
+        row = {"shape": shape, "L2": mode, "bf16_ms": bf16_ms, "fp8_ms": fp8_ms, "fp8_speedup": bf16_ms / fp8_ms}
+        report(None, f"verify_attn bf16 pool {shape} {mode}", bf16_ms, nbytes=bf16_bytes + io_bytes, flops=flops)
+        if sets[0].sglang is not None:
+            sg_ms = gpu_time_ms(rotating(use, lambda s: s.sglang()), reps=5, graph_calls=calls)
+            row.update(sglang_fp8_ms=sg_ms, speedup_vs_sglang=sg_ms / fp8_ms)
+            report(None, f"sglang triton fp8 {shape} {mode}", sg_ms, nbytes=fp8_bytes + io_bytes, flops=flops)
+        rows[mode] = report(None, f"verify_attn fp8 pool {shape} {mode}", fp8_ms, nbytes=fp8_bytes + io_bytes,
+                            flops=flops, **{k: v for k, v in row.items() if k not in ("shape", "L2", "fp8_ms")})
+        FP8_RESULTS.append(row)
+    errors = sets[0].errors()
+    FP8_RESULTS[-1].update(errors)
+    FP8_RESULTS[-2].update(errors)
+    benchmark.extra_info.update(cold=rows["cold"], hot=rows["hot"], **errors)
+    run(benchmark, lambda: sets[0].ours(True))
+    sets.clear()  # the next shape's sets need the memory
     torch.cuda.empty_cache()
 
 
@@ -796,11 +927,12 @@ _MLA_SCALE = 1 / math.sqrt(192)  # DeepSeek's softmax scale (nope 128 + rope 64 
 
 
 def sglang_extend_attention(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, custom_mask, mask_indptr,
-                             max_nodes: int, sm_scale: float, out):
+                             max_nodes: int, sm_scale: float, out, k_scale: float = 1.0):
     """SGLang 0.5.23's TARGET_VERIFY attention for an MLA layer (Triton ``extend_attention_fwd``
     with the flat custom mask, as its Triton backend calls it) as a zero-argument callable that
     writes ``out [T, H, 512]``; None when SGLang's kernels are not importable. The baseline of
-    the main job and of bench_ops.py."""
+    the main job and of bench_ops.py. An fp8 pool's uint8 bytes are handed over as e4m3, with
+    ``k_scale`` as the k and v descale (its pool's get_key_buffer and layer.k_scale_float)."""
     try:
         from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
     except Exception:  # noqa: BLE001  (no SGLang or no Triton: nothing to compare against)
@@ -809,11 +941,13 @@ def sglang_extend_attention(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_
     k = tree_k.reshape(T, 1, MLA_QK_DIM)
     v = tree_k.reshape(T, MLA_QK_DIM)[:, :MLA_V_DIM].contiguous().view(T, 1, MLA_V_DIM)  # MLA: value = latent[:512]
     kv = kv_cache.view(-1, 1, MLA_QK_DIM)
+    if kv.dtype == torch.uint8:
+        kv = kv.view(torch.float8_e4m3fn)
     indices = kv_indices.long()
 
     def call():
         extend_attention_fwd(q, k, v, out, kv, kv[..., :MLA_V_DIM], qo_indptr, kv_indptr, indices, custom_mask, True,
-                             mask_indptr, max_nodes, 1.0, 1.0, sm_scale=sm_scale)
+                             mask_indptr, max_nodes, k_scale, k_scale, sm_scale=sm_scale)
         return out
 
     return call

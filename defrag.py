@@ -166,7 +166,8 @@ class TensorPool:
 
 class SGLangPool:
     """SGLang 0.5.23's ``ReqToTokenPool`` + ``TokenToKVPoolAllocator`` (page size 1) with its
-    ``MLATokenToKVPool`` (or any KV pool whose per-layer buffers are ``kv_buffer``).
+    ``MLATokenToKVPool`` (or any KV pool whose per-layer buffers are ``kv_buffer``). Rows move
+    as bytes, so an fp8 pool's storage buffers (e4m3 bytes as uint8) move like any other.
 
     Free slots are the allocator's ``free_pages`` then ``release_pages``; released slots go
     where the allocator's own ``free`` would put them (``release_pages`` when ``need_sort``).

@@ -3,14 +3,24 @@
 SGLang (0.5.23) sends every TARGET_VERIFY forward of an MLA model through
 ``TritonAttnBackend.forward_extend``, whose Triton kernel re-streams the whole prefix once per
 head. :func:`install` wraps that method: the target model's MLA verify calls it can serve
-(576/512 with one KV head, page size 1, a bf16/fp16 pool in q's dtype with no KV scale or a
-scale of 1.0, causal attention without sliding window, logit cap, sinks or score_mod; a tree
-custom mask or none; int32 or int64 index tensors, eager or from the CUDA-graph buffers) save
-KV exactly as SGLang does and then run :func:`kdtree_ops.verify_attn` into SGLang's own output
-buffer. Other target calls, and any call that raises, go to SGLang's method unchanged, each
-reason logged once (logger ``"kdtree_ops"``); other models' calls (a DFlash draft, a dense
-model) go there silently and uncounted. The kernels load when SGLang builds a rank's backend,
-after it has chosen the rank's GPU.
+(576/512 with one KV head, page size 1; a bf16/fp16 pool in q's dtype with no KV scale or a
+scale of 1.0, or SGLang's fp8 e4m3 pool with equal k and v scales; causal attention without
+sliding window, logit cap, sinks or score_mod; a tree custom mask or none; int32 or int64
+index tensors, eager or from the CUDA-graph buffers) save KV exactly as SGLang does and then
+run :func:`kdtree_ops.verify_attn` into SGLang's own output buffer. Other target calls (an
+e5m2 pool, k_scale != v_scale on an fp8 pool, ...), and any call that raises, go to SGLang's
+method unchanged, each reason logged once (logger ``"kdtree_ops"``); other models' calls (a
+DFlash draft, a dense model) go there silently and uncounted. The kernels load when SGLang
+builds a rank's backend, after it has chosen the rank's GPU.
+
+fp8 pools (``--kv-cache-dtype fp8_e4m3``: MLATokenToKVPool keeps e4m3 bytes as uint8): the
+nodes' KV is saved as SGLang's MLA path saves it (``k / layer.k_scale`` rounded to e4m3), and
+prefix rows are read as ``e4m3 * k_scale`` for keys and values, k_scale being the python
+float SGLang hands its own kernel (``layer.k_scale_float`` when the layer has both scales,
+else 1.0), so a captured CUDA graph bakes it in as SGLang's does; the nodes' own k enter
+unscaled, in q's dtype, as in SGLang's kernel. SGLang's Triton kernel also rounds q and the
+softmax weights to e4m3 for the prefix part; kdtree_ops does not, so on fp8 pools validate's
+error is mostly that rounding of SGLang's.
 
 Environment
 -----------
@@ -18,7 +28,8 @@ KDTREE_VERIFY         ``off`` (default: nothing patched), ``validate`` (SGLang's
                       returned; ours is computed beside it and the error logged) or ``on``.
 KDTREE_LOG_EVERY      verify steps between summaries (validate / profile), default 100.
 KDTREE_VALIDATE_TOL   relative error (max |ours - sglang| / max |sglang| per layer) above
-                      which validate warns, default 0.02 (bf16 rounding of the output is ~0.4%).
+                      which validate warns, default 0.02 (bf16 rounding of the output is ~0.4%;
+                      on fp8 pools SGLang's own e4m3 rounding of q and P comes on top).
 KDTREE_PROFILE=1      per-phase timings of verify steps (CUDA events, eager steps only).
 KDTREE_DEFRAG=1       compact fragmented requests' KV slots between verify steps (defrag.py).
 KDTREE_DEFRAG_BUDGET_MB, KDTREE_DEFRAG_EVERY
@@ -101,12 +112,14 @@ def packed_tree_mask(custom_mask, mask_indptr, qo_indptr, kv_indptr, num_rows: i
     )
 
 
-def verify_attention(q, kv_buffer, kv_indptr, kv_indices, qo_indptr, k, packed_mask, scaling, out, max_kv_len=None):
+def verify_attention(q, kv_buffer, kv_indptr, kv_indices, qo_indptr, k, packed_mask, scaling, out, max_kv_len=None,
+                     k_scale=None):
     """MLA tree-verify attention into SGLang's output buffer.
 
     q: [T, H*576] or [T, H, 576]; k: the nodes' latents [T, 1, 576] (or [T, 576]); kv_buffer:
-    the layer's pool ``[S, 1, 576]``; the index tensors are TritonAttnBackend's forward_metadata
-    in TARGET_VERIFY (prefix-only kv_indptr); out: ``[T, H*512]``. Returns out.
+    the layer's pool ``[S, 1, 576]`` (q's dtype, or fp8 e4m3 read as e4m3 * k_scale, a python
+    float); the index tensors are TritonAttnBackend's forward_metadata in TARGET_VERIFY
+    (prefix-only kv_indptr); out: ``[T, H*512]``. Returns out.
     """
     T = q.shape[0]
     H = out.numel() // (T * kdtree_ops.MLA_V_DIM) if T else 0
@@ -114,12 +127,13 @@ def verify_attention(q, kv_buffer, kv_indptr, kv_indices, qo_indptr, k, packed_m
             k.reshape(T, kdtree_ops.MLA_QK_DIM), packed_mask, scaling)
     o = out.view(T, H, kdtree_ops.MLA_V_DIM)
     if kdtree_ops.check_mode() or not q.is_cuda:
-        kdtree_ops.verify_attn(*args, out=o, max_kv_len=max_kv_len)
+        kdtree_ops.verify_attn(*args, out=o, max_kv_len=max_kv_len, k_scale=k_scale)
     else:
         # The op itself, not the wrapper: its C++ checks every argument on the host, and the
         # wrapper's Python checks would add ~30 us per layer call to eager steps.
         lse = q.new_empty(T, H, dtype=torch.float32)
-        torch.ops.kdtree.verify_attn_out(*args, o, lse, -1 if max_kv_len is None else max_kv_len)
+        torch.ops.kdtree.verify_attn_out(*args, o, lse, -1 if max_kv_len is None else max_kv_len, None,
+                                         1.0 if k_scale is None else k_scale)
     return out
 
 
@@ -362,17 +376,33 @@ def _serves_target_mla(backend) -> bool:
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _MLA_LAYER = (kdtree_ops.MLA_QK_DIM, kdtree_ops.MLA_V_DIM, 1)  # qk dims, v dims, KV heads
-_FP8_STORAGE = (torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2)
+_FP8_E4M3 = torch.float8_e4m3fn  # what SGLang's fp8 MLA pool holds (as uint8) for --kv-cache-dtype fp8_e4m3
+
+
+def _kv_descales(layer) -> tuple:
+    """The (k, v) descales SGLang's Triton forward_extend passes its kernel: the layer's
+    scales when it has both, else 1.0 (the same condition, read the same way)."""
+    if layer.k_scale is not None and layer.v_scale is not None:
+        return layer.k_scale_float, layer.v_scale_float
+    return 1.0, 1.0
 
 
 def _scale_reason(layer, pool_dtype: torch.dtype) -> Optional[str]:
-    """KV scales the hook serves: none, or exactly 1.0 over a bf16/fp16 pool. FP8 checkpoints
-    (DeepSeek-V3/R1, Kimi K2) give every layer k_scale = v_scale = 1.0 even when the pool is
-    bf16; SGLang then divides k by 1.0 before saving it, which changes no bit."""
+    """KV scales the hook serves. An fp8 e4m3 pool: any finite positive scale equal for k
+    and v (kdtree_ops reads keys and values from one row dequantized once; SGLang's kernel
+    scales its keys by k_scale and its values by v_scale). A bf16/fp16 pool: none, or
+    exactly 1.0 for both (FP8 checkpoints such as DeepSeek-V3/R1 and Kimi K2 give every layer
+    k_scale = v_scale = 1.0 even when the pool is bf16; SGLang then divides k by 1.0 before
+    saving it, which changes no bit)."""
     if layer.k_scale is None and layer.v_scale is None:
         return None
-    if pool_dtype in _FP8_STORAGE:
-        return None  # the pool check names it
+    if pool_dtype == _FP8_E4M3:
+        k_descale, v_descale = _kv_descales(layer)
+        if k_descale != v_descale:
+            return f"k_scale {k_descale} != v_scale {v_descale} on an fp8 KV cache"
+        if not (isinstance(k_descale, float) and math.isfinite(k_descale) and k_descale > 0):
+            return f"fp8 KV cache scale {k_descale!r} (a finite positive float is served)"
+        return None
     k_scale, v_scale = getattr(layer, "k_scale_float", None), getattr(layer, "v_scale_float", None)
     if k_scale == 1.0 and v_scale == 1.0:
         return None
@@ -400,9 +430,9 @@ def _unsupported(backend, q, k, v, layer, fb, extra: dict) -> Optional[str]:
     if getattr(backend, "page_size", 1) != 1:
         return f"page size {backend.page_size} (kdtree_ops needs 1)"
     kv = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
-    if kv.dtype in _FP8_STORAGE:
-        return f"fp8 KV cache (pool stores {kv.dtype}; kdtree_ops reads bfloat16/float16 pools)"
-    if kv.dtype != q.dtype or kv.shape[-1] != kdtree_ops.MLA_QK_DIM:
+    if kv.dtype == torch.float8_e5m2:
+        return "fp8 e5m2 KV cache (kdtree_ops reads e4m3 fp8 pools)"
+    if kv.dtype not in (q.dtype, _FP8_E4M3) or kv.shape[-1] != kdtree_ops.MLA_QK_DIM:
         return f"KV pool stores {kv.dtype} rows of {kv.shape[-1]} (q is {q.dtype})"
     scale = _scale_reason(layer, kv.dtype)
     if scale:
@@ -484,9 +514,12 @@ def _ours(tb, backend, q, k, v, layer, fb, save_kv_cache: bool, out: Optional[to
     """Our TARGET_VERIFY forward_extend: SGLang's KV save, then verify_attn into o."""
     md = backend.forward_metadata
     T, H = q.shape[0], layer.tp_q_head_num
-    if save_kv_cache:
+    if save_kv_cache:  # the exact calls SGLang's forward_extend makes for an MLA layer
         loc_info = tb.KVWriteLoc.for_batch(fb, swa_loc=md.swa_out_cache_loc)
-        backend._set_kv_buffer(fb, layer, loc_info, k, v)  # the exact call SGLang makes
+        if layer.k_scale is None:
+            backend._set_kv_buffer(fb, layer, loc_info, k, v)
+        else:
+            backend.token_to_kv_pool.set_kv_buffer(layer, loc_info, k.clone().div_(layer.k_scale), v)
     if out is None:
         out = getattr(fb, "_attn_output", None)
         if out is None:
@@ -494,10 +527,13 @@ def _ours(tb, backend, q, k, v, layer, fb, save_kv_cache: bool, out: Optional[to
     prof = _STATE.profiler if _STATE.profile else None
     with prof.phase("mask", q.device) if prof else _null():
         packed = _step_mask(backend, md, T)
+    kv = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
+    # A python float, as SGLang passes its kernel: a per-layer constant a CUDA graph bakes in.
+    k_scale = _kv_descales(layer)[0] if kv.dtype == _FP8_E4M3 else None
     with prof.phase("attn.kdtree", q.device) if prof else _null():
         verify_attention(
             q,
-            backend.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            kv,
             md.kv_indptr,
             md.kv_indices,
             md.qo_indptr,
@@ -506,6 +542,7 @@ def _ours(tb, backend, q, k, v, layer, fb, save_kv_cache: bool, out: Optional[to
             layer.scaling,
             out,
             max_kv_len=_prefix_bound(fb),
+            k_scale=k_scale,
         )
     return out
 

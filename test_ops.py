@@ -39,7 +39,7 @@ import kdtree_ops  # noqa: E402
 import sglang_hook  # noqa: E402
 import testkit  # noqa: E402
 from testkit import (  # noqa: E402
-    DDTREE_KINDS, ROW_TOL, VERIFY_ARGS, assert_same_round, assert_verify_close, ddtree_batch, ddtree_logits,
+    DDTREE_KINDS, MLA_QK, MLA_V, ROW_TOL, VERIFY_ARGS, assert_same_round, assert_verify_close, ddtree_batch, ddtree_logits,
     ddtree_round, ddtree_targets, greedy_logits, make_verify_case, rel_err, rows_close, same, sglang_flat_mask,
     skip_unless_triton_runs_on, tree_buffers, verify_args, verify_reference)
 
@@ -1559,6 +1559,7 @@ MOVE_LAYOUTS = [
     ((576,), torch.bfloat16),
     ((1, 576), torch.bfloat16),
     ((576,), torch.uint8),
+    ((1, 576), torch.float8_e4m3fn),  # an fp8 pool's rows as SGLang's get_key_buffer views them
     ((1, 576), torch.float32),
     ((3,), torch.float32),  # 12-byte rows: 4-byte vectors
     ((1, 5), torch.bfloat16),  # 10-byte rows: 2-byte vectors
@@ -1675,11 +1676,28 @@ def accepted_paths(B, N, width, gen, device):
     return accepted.to(device), accept_len.to(device)
 
 
+def accept_pool(kind, S, device, g):
+    """Per-layer KV buffers of S slots: plain bf16 tensors, or SGLang's fp8 MLA pool as its
+    kv_buffer (uint8, what defrag and the hook move) or as get_key_buffer's e4m3 views."""
+    if kind == "bf16":
+        return kv_pool(S, (1, 24), torch.bfloat16, 3, device, g)
+    mp = pytest.importorskip("sglang.srt.mem_cache.memory_pool")
+    pool = mp.MLATokenToKVPool(size=S - 1, page_size=1, dtype=torch.float8_e4m3fn, kv_lora_rank=16, qk_rope_head_dim=8,
+                               layer_num=3, device=device, enable_memory_saver=False)
+    for buf in pool.kv_buffer:
+        assert buf.dtype == torch.uint8 and buf.shape[0] == S
+        buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=g))
+    if kind == "sglang-fp8":
+        return pool.kv_buffer
+    return [pool.get_key_buffer(i) for i in range(3)]
+
+
+@pytest.mark.parametrize("pool", ["bf16", "sglang-fp8", "sglang-fp8-view"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_commit_accept_compacts_windows(device):
+def test_commit_accept_compacts_windows(device, pool):
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     B, N, width, S, ctx = 5, 9, 7, 120, 64
-    kv = kv_pool(S, (1, 24), torch.bfloat16, 3, device, g)
+    kv = accept_pool(pool, S, device, g)
     loc = (torch.randperm(S - 1, generator=g)[: B * N] + 1).to(device)
     rows = torch.tensor([3, 1, 4, 2, 5], device=device)
     prefix = torch.tensor([0, 10, 50, 33, 7], device=device)
@@ -1738,6 +1756,7 @@ class PoolSim:
     exactly the bytes it wrote, in order, and that slot ownership is a partition."""
 
     def __init__(self, kind, device, size=48, rows=5, ctx=40, layers=2, gen=None):
+        kv_dtype = torch.float8_e4m3fn if kind.endswith("-fp8") else torch.bfloat16  # fp8: uint8 storage
         self.gen, self.size, self.rows, self.ctx = gen, size, rows, ctx
         if kind == "tensor":
             self.pool = defrag.TensorPool(
@@ -1751,12 +1770,12 @@ class PoolSim:
             mp = pytest.importorskip("sglang.srt.mem_cache.memory_pool")
             tok = pytest.importorskip("sglang.srt.mem_cache.allocator.token")
             rtp = mp.ReqToTokenPool(size=rows, max_context_len=ctx, device=device, enable_memory_saver=False)
-            kv = mp.MLATokenToKVPool(size=size, page_size=1, dtype=torch.bfloat16, kv_lora_rank=4, qk_rope_head_dim=2,
+            kv = mp.MLATokenToKVPool(size=size, page_size=1, dtype=kv_dtype, kv_lora_rank=4, qk_rope_head_dim=2,
                                      layer_num=layers, device=device, enable_memory_saver=False)
-            self.allocator = tok.TokenToKVPoolAllocator(size=size, dtype=torch.bfloat16, device=device, kvcache=kv,
+            self.allocator = tok.TokenToKVPoolAllocator(size=size, dtype=kv_dtype, device=device, kvcache=kv,
                                                         need_sort=kind != "sglang-nosort")
-            if kind == "sglang-shared":  # a one-layer MLA draft (DeepSeek's MTP/EAGLE) on the same table
-                draft = mp.MLATokenToKVPool(size=size, page_size=1, dtype=torch.bfloat16, kv_lora_rank=4, qk_rope_head_dim=2,
+            if kind.startswith("sglang-shared"):  # a one-layer MLA draft (DeepSeek's MTP/EAGLE) on the same table
+                draft = mp.MLATokenToKVPool(size=size, page_size=1, dtype=kv_dtype, kv_lora_rank=4, qk_rope_head_dim=2,
                                             layer_num=1, device=device, enable_memory_saver=False)
                 self.pool = sglang_hook._SharedTablePool(rtp, self.allocator, [kv, draft])
             else:
@@ -1764,6 +1783,7 @@ class PoolSim:
         self.device = device
         self.lens: dict[int, int] = {}
         self.want: dict[int, torch.Tensor] = {}  # row -> [len, layers, row bytes] uint8
+        assert all((kv.dtype == torch.uint8) == (kv_dtype == torch.float8_e4m3fn) for kv in self.layers())
 
     # allocator
     def free_count(self):
@@ -1913,12 +1933,13 @@ def test_defrag_history_tensor_pool(device, data):
     run_history(sim, data)
 
 
-@pytest.mark.parametrize("kind", ["sglang-sort", "sglang-nosort", "sglang-shared"])
+@pytest.mark.parametrize("kind", ["sglang-sort", "sglang-nosort", "sglang-shared", "sglang-shared-fp8"])
 @HISTORY_SETTINGS
 @given(data=st.data())
 def test_defrag_history_sglang_pool(kind, data):
     """Random histories on SGLang 0.5.23's pools and allocator, with stale plans, duplicate
-    requests and (sglang-shared) a draft pool on the same req_to_token, checked after every step."""
+    requests and (sglang-shared) a draft pool on the same req_to_token, checked after every step;
+    -fp8: both are SGLang's fp8 MLA pools (e4m3 bytes in uint8 buffers), moved as bytes."""
     sim = PoolSim(kind, "cpu", gen=torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1))))
     run_history(sim, data)
 
@@ -2132,6 +2153,110 @@ def test_hook_serves_fp8_checkpoint_layers(sgl, device):
     assert (sglang_hook._STATE.ours, sglang_hook._STATE.fallbacks) == (len(layers), 0)
 
 
+FP8_LAYER_SCALES = [None, 1.0, 0.37, 2.5]  # per layer: no scales (1.0), a checkpoint's 1.0, scales != 1
+
+
+def fp8_layers(r):
+    """One layer per FP8_LAYER_SCALES entry, its k_scale = v_scale loaded as a checkpoint would."""
+    return [r.layer(i, kv_scales=None if s is None else (s, s)) for i, s in enumerate(FP8_LAYER_SCALES[: r.layers])]
+
+
+def fp8_attention(r, step, layer, q, k, rows=None):
+    """SGLang's verify attention over an fp8 pool in float64, from its own state: each prefix
+    row read through the pool's get_key_buffer (e4m3) times the layer's k descale (its
+    k_scale_float when it has both scales, as forward_extend passes its kernel), the step's
+    own k for the nodes, SGLang's flat custom mask (prefix + nodes per row) or a causal chain."""
+    md, N, H = r.backend.forward_metadata, step.N, r.heads
+    scale = layer.k_scale_float if layer.k_scale is not None and layer.v_scale is not None else 1.0
+    kv = r.kv_pool.get_key_buffer(layer.layer_id).reshape(-1, MLA_QK)
+    table = r.req_to_token_pool.req_to_token
+    qd, kd = q.double().reshape(-1, H, MLA_QK), k.double().reshape(-1, MLA_QK)
+    out = torch.empty(qd.shape[0], H, MLA_V, dtype=torch.float64, device=q.device)
+    rows = step.rows if rows is None else rows
+    for b, P in enumerate(step.prefix_lens):
+        slots = table[rows[b], :P].long()
+        keys = torch.cat((kv[slots].double() * scale, kd[b * N:(b + 1) * N]))
+        if md.custom_mask is None:
+            seen = torch.ones(N, P + N, dtype=torch.bool, device=q.device)
+            seen[:, P:] = torch.ones(N, N, dtype=torch.bool, device=q.device).tril()
+        else:
+            m0 = int(md.mask_indptr[b])
+            seen = md.custom_mask[m0:m0 + N * (P + N)].view(N, P + N).bool()
+        scores = torch.einsum("nhd,kd->nhk", qd[b * N:(b + 1) * N], keys) * layer.scaling
+        probs = scores.masked_fill(~seen[:, None, :], -math.inf).softmax(-1)
+        out[b * N:(b + 1) * N] = torch.einsum("nhk,kd->nhd", probs, keys[:, :MLA_V])
+    return out.reshape(-1, H * MLA_V)
+
+
+def fp8_saved(layer, k):
+    """The bytes SGLang's MLA forward_extend saves for the step's k in an fp8 pool."""
+    scaled = k if layer.k_scale is None else k.clone().div_(layer.k_scale.to(k.device))
+    return scaled.to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", list(HOOK_KINDS))
+def test_hook_serves_fp8_pool(sgl, device, kind):
+    """SGLang's fp8 MLA pool (MLATokenToKVPool with dtype float8_e4m3fn, uint8 storage),
+    layers without scales, with a checkpoint's 1.0 and with k_scale = v_scale != 1: kdtree_ops
+    serves every layer call (no fallback), saves exactly the bytes SGLang's own path saves
+    (k / k_scale rounded to e4m3), and its output is the attention over the dequantized prefix
+    rows (e4m3 * k_scale) and the step's own unscaled k."""
+    srv = hook_server(sgl, device, kind, layers=len(FP8_LAYER_SCALES), kv_dtype=torch.float8_e4m3fn)
+    r = srv.runner
+    assert r.kv_pool.kv_buffer[0].dtype == torch.uint8
+    g = torch.Generator().manual_seed(21)
+    r.fill(g)
+    layers = fp8_layers(r)
+    sglang_hook.install("on")
+    st = sglang_hook._STATE
+    for prefix_lens in ([9, 40, 0], [70, 3]):
+        step = sgl.verify_step(r, prefix_lens, hook_spec(srv, prefix_lens, g), generator=g)
+        r.backend.init_forward_metadata(step.fb)
+        for layer in layers:
+            q, k, v = sgl.layer_inputs(r, step.T, g)
+            ours = r.backend.forward_extend(q, k, v, layer, step.fb).clone()
+            saved = r.kv_pool.kv_buffer[layer.layer_id][step.out_loc].clone()
+            assert torch.equal(saved, fp8_saved(layer, k))
+            rows_close(ours, fp8_attention(r, step, layer, q, k), r.heads, ROW_TOL[device])
+            sglang_forward(r.backend, q, k, v, layer, step.fb)  # SGLang's own save, on the same slots
+            assert torch.equal(r.kv_pool.kv_buffer[layer.layer_id][step.out_loc], saved)
+    assert (st.ours, st.fallbacks) == (2 * len(layers), 0)
+    assert st.warned == set()
+
+
+def test_hook_validate_compares_sglang_fp8_path(sgl, caplog, monkeypatch):
+    """validate on an fp8 pool with k_scale != 1: the call returns SGLang's own fp8 result, and
+    the error it records for the layer is max |ours - SGLang's fp8 Triton result| (ours: the
+    attention over dequantized rows, kdtree_ops.verify_attn with the layer's k_scale)."""
+    monkeypatch.setenv("KDTREE_LOG_EVERY", "1000")
+    srv = hook_server(sgl, "cpu", kv_dtype=torch.float8_e4m3fn)
+    r = srv.runner
+    g = torch.Generator().manual_seed(13)
+    r.fill(g)
+    layer = r.layer(1, kv_scales=(0.37, 0.37))
+    sglang_hook.install("validate")
+    st = sglang_hook._STATE
+    step = sgl.verify_step(r, [33, 5], hook_spec(srv, [33, 5], g), generator=g)
+    r.backend.init_forward_metadata(step.fb)
+    q, k, v = sgl.layer_inputs(r, step.T, g)
+    got = r.backend.forward_extend(q, k, v, layer, step.fb)
+    assert torch.equal(r.kv_pool.kv_buffer[1][step.out_loc], fp8_saved(layer, k))
+    ref = sglang_forward(r.backend, q, k, v, layer, step.fb)
+    assert torch.equal(got, ref)  # SGLang's result is what validate returns
+    md = r.backend.forward_metadata
+    packed = kdtree_ops.sglang_mask_to_packed(md.custom_mask, md.mask_indptr, md.qo_indptr, md.kv_indptr,
+                                              num_rows=step.T, max_nodes=md.max_extend_len)
+    ours, _ = kdtree_ops.verify_attn(q.view(step.T, r.heads, MLA_QK), r.kv_pool.get_key_buffer(1), md.kv_indptr,
+                                     md.kv_indices, md.qo_indptr, k.view(step.T, MLA_QK), packed, layer.scaling,
+                                     k_scale=0.37)
+    rows_close(ours.view_as(ref), fp8_attention(r, step, layer, q, k), r.heads, ROW_TOL["cpu"])
+    err, ref_max = st.validator.stats[torch.device("cpu")][1].tolist()
+    assert err == (ours.view_as(ref).float() - ref.float()).abs().max().item() and err > 0
+    assert ref_max == ref.float().abs().max().item()
+    assert (st.ours, st.fallbacks) == (1, 0)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_hook_dflash_draft_and_target_in_one_step(sgl, device, caplog):
     """DFlash: the draft model runs TARGET_VERIFY through its own Triton backend (non-MLA,
@@ -2253,18 +2378,21 @@ def test_hook_converts_mask_once_per_step(sgl, monkeypatch):
     assert len(n) == 2
 
 
-def _fp8_pool(sgl, b, layer, kw):
-    pool = b.srv.runner.kv_pool
-    pool.kv_buffer = [buf.view(torch.uint8) for buf in pool.kv_buffer]  # what an fp8 pool stores
+def _kv_scales(k_scale, v_scale):
+    """Give the layer the scales an FP8 checkpoint's loader would (SGLang's kv_cache method)."""
+
+    def set_scales(sgl, b, layer, kw):
+        layer.k_scale, layer.v_scale = torch.tensor(k_scale), torch.tensor(v_scale)
+        layer.k_scale_float, layer.v_scale_float = k_scale, v_scale
+
+    return set_scales
 
 
 FALLBACKS = {  # reason words the warning must contain -> how to make the call need SGLang's path
     "page size": lambda sgl, b, layer, kw: setattr(b.backend, "page_size", 16),
-    "k_scale=0.5": lambda sgl, b, layer, kw: (setattr(layer, "k_scale", torch.tensor(0.5)),
-                                              setattr(layer, "k_scale_float", 0.5),
-                                              setattr(layer, "v_scale", torch.tensor(0.5)),
-                                              setattr(layer, "v_scale_float", 0.5)),
-    "fp8 KV cache": _fp8_pool,
+    "k_scale=0.5": _kv_scales(0.5, 0.5),
+    "fp8 e5m2 KV cache": lambda sgl, b, layer, kw: None,
+    "k_scale 0.5 != v_scale 0.25 on an fp8 KV cache": _kv_scales(0.5, 0.25),
     "sliding-window": lambda sgl, b, layer, kw: setattr(layer, "sliding_window_size", 128),
     "logit cap": lambda sgl, b, layer, kw: setattr(layer, "logit_cap", 30.0),
     "sinks is set": lambda sgl, b, layer, kw: kw.update(sinks=torch.zeros(4)),
@@ -2272,13 +2400,17 @@ FALLBACKS = {  # reason words the warning must contain -> how to make the call n
     "non-causal": lambda sgl, b, layer, kw: setattr(layer, "is_cross_attention", True),
     "deterministic": lambda sgl, b, layer, kw: setattr(b.backend, "enable_deterministic", True),
 }
+FALLBACK_POOLS = {  # reason -> the KV dtype of SGLang's pool for that case (else q's)
+    "fp8 e5m2 KV cache": torch.float8_e5m2,
+    "k_scale 0.5 != v_scale 0.25 on an fp8 KV cache": torch.float8_e4m3fn,
+}
 
 
 @pytest.mark.parametrize("reason", list(FALLBACKS))
 def test_hook_fallbacks(sgl, spy, caplog, reason):
     """Calls kdtree_ops cannot serve exactly as SGLang would go to SGLang's path, counted, with
     one warning per reason naming it."""
-    b = spy_step(sgl, spy)
+    b = spy_step(sgl, spy, kv_dtype=FALLBACK_POOLS.get(reason))
     sglang_hook.install("on")
     layer = b.srv.runner.layer(0)
     kw = {}
@@ -2409,19 +2541,24 @@ def test_hook_ddtree_and_defrag_status(sgl, caplog, monkeypatch):
     assert "defrag off" in caplog.text and "radix" in caplog.text
 
 
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["kv-q-dtype", "kv-fp8"])
 @pytest.mark.parametrize("draft_seen", [True, False])
-def test_hook_defrag_moves_target_and_draft_kv(sgl, monkeypatch, caplog, draft_seen):
+def test_hook_defrag_moves_target_and_draft_kv(sgl, monkeypatch, caplog, draft_seen, kv_dtype):
     """KDTREE_DEFRAG=1 with a DFlash target and draft sharing the request table: defrag
     rewrites the table and moves the KV of both pools, so every request reads the same bytes
-    from each; when the draft's backend was not seen, defrag stays off and says why."""
+    from each; when the draft's backend was not seen, defrag stays off and says why. With
+    ``--kv-cache-dtype fp8_e4m3`` both of SGLang's pools hold e4m3 bytes in uint8 buffers."""
     monkeypatch.setenv("KDTREE_DEFRAG", "1")
     monkeypatch.setenv("KDTREE_DEFRAG_EVERY", "1")
     if draft_seen:
         sglang_hook.install("on")
-    srv = hook_server(sgl, "cpu", "dflash", server_args=dict(disable_radix_cache=True, disable_overlap_schedule=True))
+    srv = hook_server(sgl, "cpu", "dflash", server_args=dict(disable_radix_cache=True, disable_overlap_schedule=True),
+                      kv_dtype=kv_dtype)
     target = srv.runner
     draft = sgl.Runner(device="cpu", dtype=target.dtype, heads=2, layers=2, num_tokens_per_req=srv.N, mla=False,
-                       head_dim=32, draft_of=target)
+                       head_dim=32, draft_of=target, kv_dtype=kv_dtype)
+    buffers = target.kv_pool.kv_buffer + draft.kv_pool.k_buffer + draft.kv_pool.v_buffer
+    assert all((buf.dtype == torch.uint8) == (kv_dtype is not None) for buf in buffers)
     sglang_hook.install("on")
     g = torch.Generator().manual_seed(9)
     target.fill(g)
@@ -2434,7 +2571,7 @@ def test_hook_defrag_moves_target_and_draft_kv(sgl, monkeypatch, caplog, draft_s
         out = []
         for b, (row, n) in enumerate(zip(step.rows.tolist(), prefix_lens)):
             slots = table[row, :n].long()
-            out.append([buf[slots].clone() for buf in target.kv_pool.kv_buffer + draft.kv_pool.k_buffer + draft.kv_pool.v_buffer])
+            out.append([buf[slots].clone() for buf in buffers])
         return out
 
     before, runs_before = read_all(), defrag.fragmentation(table, step.rows, prefix_lens)
@@ -2477,20 +2614,26 @@ print("clean")
 
 
 @needs_gpu
+@pytest.mark.parametrize("pool", ["bf16", "fp8"])
 @pytest.mark.parametrize("kind", list(HOOK_KINDS))
-def test_hook_cuda_graph_capture_and_replay(sgl, kind):
+def test_hook_cuda_graph_capture_and_replay(sgl, kind, pool):
     """SGLang's CUDA-graph verify path on the GPU: metadata from init_forward_metadata_out_graph
     (capture, then a replay with a changed batch), the layers captured in a CUDA graph through
     the hooked forward_extend, replayed: kdtree_ops served every captured call and the replayed
-    output equals SGLang's own path on the new batch."""
-    srv = hook_server(sgl, "cuda", kind, N=9, layers=3, heads=16, pool_size=1 << 16, max_context=8192)
+    output equals SGLang's own path on the new batch. On SGLang's fp8 pool (layers without
+    scales, with 1.0 and with 0.37, each baked into the graph as SGLang bakes it) the replay
+    saves SGLang's bytes and its output is the attention over the dequantized rows: SGLang's
+    own fp8 Triton kernel rounds q and the softmax weights to e4m3, so it is no reference."""
+    fp8 = pool == "fp8"
+    srv = hook_server(sgl, "cuda", kind, N=9, layers=3, heads=16, pool_size=1 << 16, max_context=8192,
+                      kv_dtype=torch.float8_e4m3fn if fp8 else None)
     r = srv.runner
     g = torch.Generator().manual_seed(12)
     r.fill(g)
     sglang_hook.install("on")
     B = 3
     r.backend.init_cuda_graph_state(max_bs=B, max_num_tokens=B * srv.N)
-    layers = [r.layer(i) for i in range(r.layers)]
+    layers = fp8_layers(r) if fp8 else [r.layer(i) for i in range(r.layers)]
 
     def batch(prefix_lens):
         step = sgl.verify_step(r, prefix_lens, hook_spec(srv, prefix_lens, g), generator=g)
@@ -2526,7 +2669,11 @@ def test_hook_cuda_graph_capture_and_replay(sgl, kind):
     torch.cuda.synchronize()
     r.backend.init_forward_metadata(step2.fb)
     for (q, k, v), layer, out in zip(static, layers, outs):
-        rows_close(out, sglang_forward(r.backend, q, k, v, layer, step2.fb), r.heads, ROW_TOL["cuda"])
+        if fp8:
+            assert torch.equal(r.kv_pool.kv_buffer[layer.layer_id][step2.out_loc], fp8_saved(layer, k))
+            rows_close(out, fp8_attention(r, step2, layer, q, k), r.heads, ROW_TOL["cuda"])
+        else:
+            rows_close(out, sglang_forward(r.backend, q, k, v, layer, step2.fb), r.heads, ROW_TOL["cuda"])
 
 
 # ---- DDTree through the hook (SGLang PR #29907) ----

@@ -484,9 +484,11 @@ class Runner:
 
     def __init__(self, *, device: str, dtype: torch.dtype, heads: int, layers: int, num_tokens_per_req: int,
                  pool_size: int = 4096, max_context: int = 1024, max_reqs: int = 8, mla: bool = True,
-                 head_dim: int = 128, draft_of: Optional["Runner"] = None):
+                 head_dim: int = 128, draft_of: Optional["Runner"] = None, kv_dtype: Optional[torch.dtype] = None):
         sg = _sglang()
         self.device, self.dtype, self.heads, self.layers, self.mla = device, dtype, heads, layers, mla
+        kv_dtype = kv_dtype or dtype  # an fp8 dtype: SGLang's fp8 pool (uint8 storage), q stays `dtype`
+        self.kv_dtype = kv_dtype
         if draft_of is None:
             self.req_to_token_pool = sg.ReqToTokenPool(size=max_reqs, max_context_len=max_context, device=device,
                                                     enable_memory_saver=False)
@@ -494,17 +496,17 @@ class Runner:
             self.req_to_token_pool = draft_of.req_to_token_pool
             pool_size = draft_of.allocator.size
         if mla:
-            self.kv_pool = sg.MLATokenToKVPool(size=pool_size, page_size=1, dtype=dtype, kv_lora_rank=MLA_V,
+            self.kv_pool = sg.MLATokenToKVPool(size=pool_size, page_size=1, dtype=kv_dtype, kv_lora_rank=MLA_V,
                                             qk_rope_head_dim=MLA_QK - MLA_V, layer_num=layers, device=device,
                                             enable_memory_saver=False)
             self.qk_dim, self.v_dim, kv_heads = MLA_QK, MLA_V, 1
         else:
-            self.kv_pool = sg.MHATokenToKVPool(size=pool_size, page_size=1, dtype=dtype, head_num=heads,
+            self.kv_pool = sg.MHATokenToKVPool(size=pool_size, page_size=1, dtype=kv_dtype, head_num=heads,
                                             head_dim=head_dim, layer_num=layers, device=device,
                                             enable_memory_saver=False)
             self.qk_dim, self.v_dim, kv_heads = head_dim, head_dim, heads
         self.kv_heads = kv_heads
-        self.allocator = (sg.TokenToKVPoolAllocator(size=pool_size, dtype=dtype, device=device, kvcache=self.kv_pool,
+        self.allocator = (sg.TokenToKVPoolAllocator(size=pool_size, dtype=kv_dtype, device=device, kvcache=self.kv_pool,
                                                  need_sort=False) if draft_of is None else draft_of.allocator)
         translator = sg.KVIndexTranslator(req_to_token=self.req_to_token_pool.req_to_token,
                                        token_to_kv_pool_allocator=self.allocator, token_to_kv_pool=self.kv_pool,
@@ -520,27 +522,32 @@ class Runner:
             token_to_kv_pool_allocator=self.allocator, sliding_window_size=None, page_size=1,
             kv_index_translator=translator, decode_num_tokens_per_req=lambda: num_tokens_per_req,
             model_config=model_config, is_draft_worker=draft_of is not None, device=device, gpu_id=0,
-            spec_algorithm=None, kv_cache_dtype=dtype)
+            spec_algorithm=None, kv_cache_dtype=kv_dtype)
         self.translator = translator
         self.backend = sg.triton_backend.TritonAttnBackend(self.model_runner)
 
-    def layer(self, layer_id: int, *, fp8_checkpoint: bool = False):
+    def layer(self, layer_id: int, *, fp8_checkpoint: bool = False, kv_scales: Optional[tuple] = None):
         """An attention layer as the model builds it; ``fp8_checkpoint`` gives it the KV-cache
-        scales an FP8 checkpoint's quantisation config sets (1.0 when none are stored)."""
+        scales an FP8 checkpoint's quantisation config sets: ``kv_scales`` = (k_scale, v_scale)
+        as loaded from the checkpoint (SGLang's loader turns a missing one into 1.0)."""
         sg = _sglang()
-        quant = sg.Fp8Config(is_checkpoint_fp8_serialized=True) if fp8_checkpoint else None
+        quant = sg.Fp8Config(is_checkpoint_fp8_serialized=True) if fp8_checkpoint or kv_scales else None
         layer = sg.RadixAttention(self.heads, self.qk_dim, self.qk_dim**-0.5, self.kv_heads, layer_id,
                                v_head_dim=self.v_dim, quant_config=quant)
+        if kv_scales is not None:
+            layer.k_scale.data.fill_(kv_scales[0])
+            layer.v_scale.data.fill_(kv_scales[1])
         if layer.quant_method is not None:
             layer.quant_method.process_weights_after_loading(layer)
         return layer
 
     def fill(self, generator: torch.Generator) -> None:
-        """Fresh random KV in every slot of every layer."""
+        """Fresh random KV in every slot of every layer (an fp8 pool's bytes: random values
+        rounded to its format, so no NaN)."""
         for bufs in (getattr(self.kv_pool, "kv_buffer", None), getattr(self.kv_pool, "k_buffer", None),
                      getattr(self.kv_pool, "v_buffer", None)):
             for buf in bufs or ():
-                buf.copy_(torch.randn(buf.shape, generator=generator).to(buf.dtype))
+                buf.copy_(torch.randn(buf.shape, generator=generator).to(self.kv_dtype).view(buf.dtype))
 
 
 def eagle_tree(runner: Runner, seq_lens: torch.Tensor, *, topk: int, steps: int, num_draft_tokens: int,
