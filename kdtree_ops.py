@@ -461,6 +461,7 @@ GUARDS = (
     "malformed qo_indptr/kv_indptr or nodes past tree_mask (verify_attn)",
     "rows outside custom_mask (sglang_mask_to_packed)",
     "slots outside the pool (move_kv)",
+    "k_scale not a positive normal float, or tree_k beyond 65504 x k_scale (verify_attn, fp8 kv_cache)",
 )
 
 
@@ -789,7 +790,20 @@ def _check_k_scale(k_scale, k_scale_value, kv_cache, q):
         _check(k_scale.dtype == torch.float32 and k_scale.dim() <= 1 and k_scale.numel() == 1,
                lambda: f"kdtree: k_scale must be a float32 tensor of one element, got {k_scale.dtype} {tuple(k_scale.shape)}")
     if isinstance(k_scale_value, float):  # a traced SymFloat is checked when the call runs eagerly
-        _check(math.isfinite(k_scale_value), lambda: f"kdtree: k_scale must be finite, got {k_scale_value}")
+        _check(_k_scale_usable(k_scale_value), lambda: f"kdtree: {_K_SCALE_RULE}, got {k_scale_value}")
+
+
+# The CUDA kernels divide by k_scale in float32 (tree rows into the pool's units).
+_K_SCALE_RULE = "k_scale must be finite and positive (a normal float32, >= 2^-126)"
+_F32_TINY, _F32_MAX = 2.0**-126, float(torch.finfo(torch.float32).max)
+
+
+def _k_scale_usable(value: float) -> bool:
+    try:  # as the kernels read it: rounded to float32
+        as_f32 = struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return False
+    return _F32_TINY <= as_f32 <= _F32_MAX
 
 
 def _k_scale_op_args(k_scale, kv_cache):
@@ -822,8 +836,8 @@ def _check_verify_values(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mas
                   f"got {tree_mask.shape[1]}")
     if k_scale is not None:
         value = k_scale.item()
-        if not math.isfinite(value):
-            _fail(f"k_scale must be finite, got {value}")
+        if not _k_scale_usable(value):
+            _fail(f"{_K_SCALE_RULE}, got {value}")
 
 
 def unpack_bits(words: torch.Tensor, n: int) -> torch.Tensor:
@@ -942,9 +956,13 @@ def verify_attn(
     the first 512 dims of the same rows.
 
     An fp8 kv_cache (SGLang's ``--kv-cache-dtype fp8_e4m3`` pool, which stores k / k_scale)
-    is read as e4m3 values times ``k_scale``, for keys and values alike; the CUDA kernels
-    dequantize each row to q's dtype (``q.dtype(e4m3 * k_scale)``) and run the same
-    bf16/fp16 math as for a bf16/fp16 pool. tree_k is never scaled.
+    is read as e4m3 values times ``k_scale``, for keys and values alike; tree_k is never
+    scaled. The CUDA kernels multiply the e4m3 values themselves in float16 tensor-core math
+    (e4m3 -> float16 is exact) and apply k_scale in float32, to the scores and the output; a
+    bfloat16 q enters float16 times a power of two (exact), and tree_k enters divided by
+    k_scale (one float16 rounding). So on CUDA a tree_k value must lie within
+    65504 x k_scale (146 times the pool's own e4m3 range): beyond it that request's rows come
+    out NaN and ``guard_errors()`` reports it.
 
     Parameters
     ----------
@@ -977,7 +995,8 @@ def verify_attn(
         Dequantization scale of an fp8 kv_cache (SGLang's ``layer.k_scale``); None means 1.0,
         and only an fp8 kv_cache takes one. Either form is rounded to float32. A tensor is
         read on the device at every launch, so a captured CUDA graph replays with its current
-        value; it must be finite (checked on CPU, on CUDA with ``KDTREE_CHECK=1``).
+        value; it must be finite and positive, at least 2^-126 (checked on CPU, on CUDA with
+        ``KDTREE_CHECK=1``; otherwise NaN rows and ``guard_errors()``).
 
     Returns
     -------

@@ -388,7 +388,7 @@ def _kv_descales(layer) -> tuple:
 
 
 def _scale_reason(layer, pool_dtype: torch.dtype) -> Optional[str]:
-    """KV scales the hook serves. An fp8 e4m3 pool: any finite positive scale equal for k
+    """KV scales the hook serves. An fp8 e4m3 pool: any finite scale >= 2^-126 equal for k
     and v (kdtree_ops reads keys and values from one row dequantized once; SGLang's kernel
     scales its keys by k_scale and its values by v_scale). A bf16/fp16 pool: none, or
     exactly 1.0 for both (FP8 checkpoints such as DeepSeek-V3/R1 and Kimi K2 give every layer
@@ -400,8 +400,8 @@ def _scale_reason(layer, pool_dtype: torch.dtype) -> Optional[str]:
         k_descale, v_descale = _kv_descales(layer)
         if k_descale != v_descale:
             return f"k_scale {k_descale} != v_scale {v_descale} on an fp8 KV cache"
-        if not (isinstance(k_descale, float) and math.isfinite(k_descale) and k_descale > 0):
-            return f"fp8 KV cache scale {k_descale!r} (a finite positive float is served)"
+        if not (isinstance(k_descale, float) and math.isfinite(k_descale) and k_descale >= 2.0**-126):
+            return f"fp8 KV cache scale {k_descale!r} (a finite float >= 2^-126 is served)"
         return None
     k_scale, v_scale = getattr(layer, "k_scale_float", None), getattr(layer, "v_scale_float", None)
     if k_scale == 1.0 and v_scale == 1.0:

@@ -460,6 +460,7 @@ def _fp8_kv(kw, **change):
 
 
 NAN_ROWS = "the kernel flags the error on the device and writes NaN rows"
+K_SCALE_RULE = "k_scale must be finite and positive (a normal float32, >= 2^-126)"
 MASK_GUARD = "the row reads nothing and gets no bits; the kernel flags the error on the device"
 BAD_INPUTS = [
     BadInput("merge_state", "v_a float64", lambda d: kdtree_ops.merge_state(*[t.double() if t.dim() == 3 else t for t in _merge_kw(d).values()]),
@@ -488,8 +489,11 @@ BAD_INPUTS = [
     bad_verify("k_scale on another device", lambda kw, d: _fp8_kv(kw, k_scale=torch.ones(1, device=other_device(d))), "k_scale must be on"),
     bad_verify("k_scale a string", lambda kw, d: _fp8_kv(kw, k_scale="0.5"),
                "k_scale must be None, a float or a float32 tensor of one element, got str"),
-    bad_verify("k_scale = inf", lambda kw, d: _fp8_kv(kw, k_scale=math.inf), "k_scale must be finite, got inf"),
-    bad_verify("k_scale = nan", lambda kw, d: _fp8_kv(kw, k_scale=math.nan), "k_scale must be finite, got nan"),
+    bad_verify("k_scale = inf", lambda kw, d: _fp8_kv(kw, k_scale=math.inf), f"{K_SCALE_RULE}, got inf"),
+    bad_verify("k_scale = nan", lambda kw, d: _fp8_kv(kw, k_scale=math.nan), f"{K_SCALE_RULE}, got nan"),
+    bad_verify("k_scale = 0", lambda kw, d: _fp8_kv(kw, k_scale=0.0), f"{K_SCALE_RULE}, got 0.0"),
+    bad_verify("k_scale = -0.5", lambda kw, d: _fp8_kv(kw, k_scale=-0.5), f"{K_SCALE_RULE}, got -0.5"),
+    bad_verify("k_scale = 1e-40 (a float32 subnormal)", lambda kw, d: _fp8_kv(kw, k_scale=1e-40), f"{K_SCALE_RULE}, got 1e-40"),
     bad_verify("kv_cache on another device", lambda kw, d: dict(kv_cache=kw["kv_cache"].to(other_device(d))), "kv_cache must be on"),
     bad_verify("tree_k with fewer rows than q", lambda kw, d: dict(tree_k=kw["tree_k"][:2]), "tree_k must have 5 rows like q"),
     bad_verify("kv_indptr int16", lambda kw, d: dict(kv_indptr=kw["kv_indptr"].short()), "kv_indptr must be 1-D int32 or int64"),
@@ -515,7 +519,9 @@ BAD_INPUTS = [
     bad_verify("qo_indptr[-1] < T (rows of q)", lambda kw, d: dict(qo_indptr=_set(kw["qo_indptr"], 2, 4)),
                "qo_indptr[-1] must be 5 (rows of q), got 4", NAN_ROWS),
     bad_verify("k_scale tensor holding inf", lambda kw, d: _fp8_kv(kw, k_scale=torch.full((1,), math.inf, device=d)),
-               "k_scale must be finite, got inf", "unchecked: the prefix rows are multiplied by it"),
+               f"{K_SCALE_RULE}, got inf", NAN_ROWS),
+    bad_verify("k_scale tensor holding 0", lambda kw, d: _fp8_kv(kw, k_scale=torch.zeros(1, device=d)),
+               f"{K_SCALE_RULE}, got 0.0", NAN_ROWS),
     bad_verify("tree_mask narrower than a request's nodes", lambda kw, d: dict(tree_mask=kw["tree_mask"][:, :1]),
                "tree_mask must have at least 2 words per row (a request has 33 nodes), got 1",
                NAN_ROWS, shape=([4], [33], 1), pool=64),
@@ -913,17 +919,19 @@ def e4m3_values(pool: torch.Tensor) -> torch.Tensor:
 
 
 def dequantized(pool: torch.Tensor, k_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The rows an fp8 pool stands for, as the CUDA kernels read them: dtype(e4m3 * k_scale),
-    the product rounded to float32 first."""
-    return (e4m3_values(pool) * k_scale.double()).float().to(dtype)
+    """The rows an fp8 pool stands for: e4m3 * k_scale, exact in float64, else rounded to
+    float32 first (as the CPU reference computes them) and then to ``dtype``."""
+    values = e4m3_values(pool) * k_scale.double()
+    return values if dtype == torch.float64 else values.float().to(dtype)
 
 
 def fp8_pool(case, storage, k_scale: float, *, source="float", seed=None):
     """``case`` with an e4m3 pool in ``storage`` and ``k_scale`` (a float32 [1] tensor in
     "k_scale", the float in "k_scale_float"): the case's rows / k_scale rounded to e4m3 (source
     "float", as SGLang stores k / k_scale) or random non-NaN bytes ("bytes"); unused slots
-    hold NaN either way. Also returns the reference case: the same with the pool dequantized
-    to q's dtype, where bf16's tolerance applies."""
+    hold NaN either way. Also returns the reference case: the same with the pool's exact
+    values (float64), which the CUDA kernels compute with (see verify_attn: float16 math on
+    the e4m3 values, k_scale in float32)."""
     kv = case["kv_cache"]
     rows = kv.reshape(kv.shape[0], kdtree_ops.MLA_QK_DIM)
     if source == "float":
@@ -936,7 +944,7 @@ def fp8_pool(case, storage, k_scale: float, *, source="float", seed=None):
         codes[unused] = 0x7F
     pool = codes.view(storage).view(kv.shape)
     case = dict(case, kv_cache=pool, k_scale=torch.tensor([k_scale], device=kv.device), k_scale_float=k_scale)
-    return case, dict(case, kv_cache=dequantized(pool, case["k_scale"], case["q"].dtype))
+    return case, dict(case, kv_cache=dequantized(pool, case["k_scale"], torch.float64))
 
 
 # Pools the CUDA verify tests run over: (storage, source, k_scale) of fp8_pool, or q's own dtype.
@@ -1081,7 +1089,7 @@ def test_verify_attn_cuda_fp8_graph_replay(verify_kernel, storage):
 
     def check(inputs, out):
         case = dict(zip(VERIFY_ARGS, [*inputs[:-1], sm_scale]))
-        assert_verify_close(out[0], out[1], dict(case, kv_cache=dequantized(inputs[1], inputs[-1], case["q"].dtype)))
+        assert_verify_close(out[0], out[1], dict(case, kv_cache=dequantized(inputs[1], inputs[-1], torch.float64)))
 
     graph_replay(lambda *a: kdtree_ops.verify_attn(*a[:-1], sm_scale, max_kv_len=2048, k_scale=a[-1]), fresh, check)
 
@@ -1174,7 +1182,7 @@ def test_verify_attn_cuda_long_context_and_big_pool(pool):
         pool8[slots] = (rows.float() / 0.37).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
         scale = torch.tensor([0.37], device="cuda")
         kw, case = {"k_scale": scale}, dict(case, kv_cache=pool8)
-        ref = dict(case, kv_cache=dequantized(pool8[slots], scale, torch.bfloat16),
+        ref = dict(case, kv_cache=dequantized(pool8[slots], scale, torch.float64),
                    kv_indices=torch.arange(len(slots), device="cuda", dtype=torch.int32))
     out, lse = kdtree_ops.verify_attn(*verify_args(case), **kw)
     assert_verify_close(out, lse, ref)
@@ -3078,6 +3086,7 @@ def test_main_runs_a_checked_round_on_cpu(capsys):
 # defined value (NaN) and raise a flag in host-mapped memory, read by kdtree_ops.guard_errors().
 
 GUARD_SLOT, GUARD_INDPTR, GUARD_MASK = (kdtree_ops.GUARDS[i] for i in range(3))
+GUARD_FP8 = kdtree_ops.GUARDS[4]
 
 
 def poisoned_requests(out, lse, qo_indptr, bad):
@@ -3114,6 +3123,33 @@ def test_verify_guard_slot_out_of_range(verify_kernel, index_dtype, slot, hint):
     keep = torch.ones(out.shape[0], dtype=torch.bool)
     keep[9:14] = False
     assert rel_err(out[keep], ref_out[keep]) < 1e-2
+
+
+@needs_gpu
+@pytest.mark.parametrize("defect", ["k_scale_0", "k_scale_negative", "k_scale_inf", "k_scale_subnormal", "tree_k_beyond_f16"])
+def test_verify_guard_fp8_range(verify_kernel, defect):
+    """An fp8 pool's k_scale tensor holding a value the kernels cannot divide by (every row
+    NaN), or a tree_k value past 65504 x k_scale, which f16 cannot hold in the pool's units
+    (that request's rows NaN, the others exact): the guard is raised either way."""
+    case, _ = fp8_pool(make_verify_case([1500, 700, 2100], [9, 5, 13], 16), torch.uint8, 0.37)
+    bad = {0, 1, 2}
+    if defect == "tree_k_beyond_f16":
+        case["tree_k"][9 + 3, 100] = 70000 * 0.37
+        bad = {1}
+    else:
+        case["k_scale"].fill_({"k_scale_0": 0.0, "k_scale_negative": -0.37, "k_scale_inf": math.inf,
+                               "k_scale_subnormal": 1e-39}[defect])
+    kdtree_ops.guard_errors()
+    out, lse = kdtree_ops.verify_attn(*verify_args(case), k_scale=case["k_scale"])
+    torch.cuda.synchronize()
+    poisoned_requests(out, lse, case["qo_indptr"], bad)
+    assert kdtree_ops.guard_errors() == [GUARD_FP8]
+    if defect == "tree_k_beyond_f16":
+        case["tree_k"][9 + 3, 100] = 60000 * 0.37  # within f16 in the pool's units: served
+        out, lse = kdtree_ops.verify_attn(*verify_args(case), k_scale=case["k_scale"])
+        torch.cuda.synchronize()
+        poisoned_requests(out, lse, case["qo_indptr"], set())
+        assert kdtree_ops.guard_errors() == []
 
 
 MALFORMED_BATCHES = {

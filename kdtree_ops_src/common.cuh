@@ -279,6 +279,8 @@ enum Guard : int {
   kGuardVerifyIndptr,     // verify_attn: qo_indptr/kv_indptr malformed, or nodes past the mask
   kGuardMaskIndptr,       // sglang_mask_to_packed: a row's bits outside custom_mask
   kGuardMoveSlot,         // move_kv: a slot outside the pool (the pair is skipped)
+  kGuardFp8Range,         // verify_attn, fp8 pool: k_scale not a positive normal float, or a
+                          // tree_k value beyond 65504 x k_scale (f16 in the pool's units)
   kGuardCount
 };
 

@@ -80,10 +80,11 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
 
 template <typename T, typename Idx, bool Fp8>
 __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyParams<T> p) {
+  using M = std::conditional_t<Fp8, Fp8Math, T>;  // the tensor-core operands
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* s_kv = smem;
   float* s_part = reinterpret_cast<float*>(smem + kSmemKV);  // [row tiles][2][8][32] S halves
-  T* s_p = reinterpret_cast<T*>(smem + kSmemKV + kSmemS);     // [64][kPStride]
+  M* s_p = reinterpret_cast<M*>(smem + kSmemKV + kSmemS);     // [64][kPStride]
   float* s_alpha = reinterpret_cast<float*>(smem + kSmemKV + kSmemS + kSmemP);  // [64]
   float* s_l = s_alpha + kRows;                                                  // [64]
   __shared__ int s_req, s_row0;
@@ -93,6 +94,8 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
+  // The row of a KV tile this thread copies (and, over an fp8 pool, converts): see copy_rows.
+  const int own_row = warp * (kKeys / kWarps) + (lane >> 3);
 
   // ---- which request and which 64 rows: scan the per-request tile counts ----
   if (warp == 0) {
@@ -154,20 +157,51 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
 #pragma unroll
     for (int ks = 0; ks < kHalfK; ++ks) ldmatrix_x4(qf[ks], q_lane + ks * 32);
   }
+  // fp8 pool: k_scale (and 1 / the power of two a bf16 q takes into f16) scale the scores in
+  // float32, and k_scale the output (Fp8Math).
+  const float k_scale = Fp8 ? kv_scale(p) : 1.f;
+  bool range_bad = Fp8 && !k_scale_usable(k_scale);  // kGuardFp8Range
+  float q_factor = 1.f;
+  constexpr bool kQToF16 = Fp8 && std::is_same_v<T, __nv_bfloat16>;
+  uint32_t* s_peak = reinterpret_cast<uint32_t*>(s_alpha);  // free until the first softmax
+  if constexpr (kQToF16) {
+    uint32_t peak = 0;
+#pragma unroll
+    for (int ks = 0; ks < kHalfK; ++ks)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) peak = peak_bits(peak, qf[ks][i]);
+    peak = __reduce_max_sync(0xffffffffu, peak_bits_fold(peak));
+    if (lane == 0) s_peak[warp] = peak;
+  }
   __syncthreads();  // Q fully in registers before the KV stages overwrite it
+  if constexpr (kQToF16) {
+    uint32_t peak = 0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) peak = max(peak, s_peak[w]);
+    q_factor = q_f16_factor(peak);
+#pragma unroll
+    for (int ks = 0; ks < kHalfK; ++ks)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = unpack2<T>(qf[ks][i]);
+        qf[ks][i] = pack2<M>(f.x * q_factor, f.y * q_factor);
+      }
+  }
+  const float score_scale = Fp8 ? p.scale_log2 * (k_scale / q_factor) : p.scale_log2;
+  const float tree_to_pool = 1.f / k_scale;  // fp8: tree rows into the pool's units
 
   bool bad = false;  // met a prefix slot outside kv_cache (checked_slot)
   auto load_tile = [&](int t, int stage) {
     const Idx* slots = s_slot[t % 3];
     if (Fp8 && t < pre_tiles) {
-      // An fp8 row lands in the chunks its T values will fill: the thread that copies chunk
-      // c's 8 bytes is the one that widens them in place (dequant_own_chunks), so no other
-      // thread's data is overwritten and no extra barrier is needed.
-      const int first = pre_begin + t * kKeys, r = warp * (kKeys / kWarps) + (lane >> 3);
-      const bool valid = first + r < pre_end;
+      // An fp8 row lands in the chunks its f16 values will fill: the thread that copies chunk
+      // c's 8 bytes is the one that widens them in place, so no other thread's data is
+      // overwritten and no extra barrier is needed.
+      const int first = pre_begin + t * kKeys;
+      const bool valid = first + own_row < pre_end;
       const uint8_t* src = p.kv8 + (lane & 7) * 8;
-      if (valid) src += static_cast<int64_t>(checked_slot(p, slots[r], bad)) * p.kv_stride;
-      const uint32_t d = smem_addr(s_kv + stage * kStageBytes + r * kRowPitch) + (lane & 7) * 16;
+      if (valid) src += static_cast<int64_t>(checked_slot(p, slots[own_row], bad)) * p.kv_stride;
+      const uint32_t d = smem_addr(s_kv + stage * kStageBytes + own_row * kRowPitch) + (lane & 7) * 16;
 #pragma unroll
       for (int c = 0; c < kChunks / 8; ++c) cp_async8(d + c * 128, src + c * 64, valid);
     } else if (t < pre_tiles) {
@@ -203,7 +237,6 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
 
   // Pipeline: tile t+1's rows (and tile t+2's slots) load while tile t computes.
   if (n_tiles > 0) load_tile(0, 0);
-  const float k_scale = Fp8 ? kv_scale(p) : 1.f;
   for (int t = 0; t < n_tiles; ++t) {
     const int stage = t & 1;
     cp_async_wait<0>();
@@ -212,12 +245,19 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
       if (warp == 0) load_slots(t + 2);
       load_tile(t + 1, stage ^ 1);
     }
-    if (Fp8 && t < pre_tiles) {  // this thread's own 8-byte copies of tile t -> T in place
-      uint8_t* row = s_kv + stage * kStageBytes + (warp * (kKeys / kWarps) + (lane >> 3)) * kRowPitch + (lane & 7) * 16;
+    if (Fp8) {  // this thread's own copies of tile t -> f16 in place (the same chunks either way)
+      uint8_t* row = s_kv + stage * kStageBytes + own_row * kRowPitch + (lane & 7) * 16;
+      if (t < pre_tiles) {
 #pragma unroll
-      for (int c = 0; c < kChunks / 8; ++c)
-        *reinterpret_cast<uint4*>(row + c * 128) = dequant8<T>(*reinterpret_cast<const uint2*>(row + c * 128), k_scale);
-      __syncthreads();  // the widened rows, for every warp
+        for (int c = 0; c < kChunks / 8; ++c)
+          *reinterpret_cast<uint4*>(row + c * 128) = widen_e4m3x8(*reinterpret_cast<const uint2*>(row + c * 128));
+      } else {
+#pragma unroll
+        for (int c = 0; c < kChunks / 8; ++c)
+          *reinterpret_cast<uint4*>(row + c * 128) =
+              to_f16x8<T>(*reinterpret_cast<const uint4*>(row + c * 128), tree_to_pool, range_bad);
+      }
+      __syncthreads();  // the converted rows, for every warp
     }
     const uint32_t stage_off = stage * kStageBytes;
 
@@ -233,8 +273,8 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
       for (int j = 0; j < 4; j += 2) {
         uint32_t bf[4];
         ldmatrix_x4(bf, k_lane + stage_off + j * 8 * kRowPitch + ks * 32);
-        mma16816<T>(s[j], qf[ks], bf[0], bf[1]);
-        mma16816<T>(s[j + 1], qf[ks], bf[2], bf[3]);
+        mma16816<M>(s[j], qf[ks], bf[0], bf[1]);
+        mma16816<M>(s[j + 1], qf[ks], bf[2], bf[3]);
       }
     }
     // Each warp keeps the 8 rows it will normalise and hands the other 8 to its partner. The
@@ -260,7 +300,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
       for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          x[j * 2 + e] = ((dh ? s[j][2 + e] : s[j][e]) + other[(j * 2 + e) * 32 + lane]) * p.scale_log2;
+          x[j * 2 + e] = ((dh ? s[j][2 + e] : s[j][e]) + other[(j * 2 + e) * 32 + lane]) * score_scale;
           if (key0 + j * 8 + t4 * 2 + e >= key_end) x[j * 2 + e] = -INFINITY;
         }
       if (tree_tile) {  // the ancestor mask (or the causal chain) applies to tree keys only
@@ -287,12 +327,12 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
       // A row with nothing visible yet keeps max -inf; subtract 0 then so exp gives 0.
       const float base = row_max == -INFINITY ? 0.f : row_max;
       float sum = 0.f;
-      T* prow = s_p + my_row * kPStride;
+      M* prow = s_p + my_row * kPStride;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const float p0 = fast_exp2(x[j * 2] - base), p1 = fast_exp2(x[j * 2 + 1] - base);
         sum += p0 + p1;
-        *reinterpret_cast<uint32_t*>(prow + j * 8 + t4 * 2) = pack2<T>(p0, p1);
+        *reinterpret_cast<uint32_t*>(prow + j * 8 + t4 * 2) = pack2<M>(p0, p1);
       }
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
@@ -324,8 +364,8 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
         ldmatrix_x4_trans(vf, v_lane + stage_off + kk * 16 * kRowPitch + j * 16);
 #pragma unroll
         for (int i = 0; i < kRowTiles; ++i) {
-          mma16816<T>(o[i][j], pf[i], vf[0], vf[1]);
-          mma16816<T>(o[i][j + 1], pf[i], vf[2], vf[3]);
+          mma16816<M>(o[i][j], pf[i], vf[0], vf[1]);
+          mma16816<M>(o[i][j + 1], pf[i], vf[2], vf[3]);
         }
       }
     }
@@ -334,7 +374,8 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
   // ---- finish: share each row's max and sum, normalise, write ----
   // The last tile's PV has read s_alpha; did any warp meet a slot outside kv_cache?
   const bool malformed = s_req == kMalformedBatch;  // rows to write NaN, no keys (find_row_tile)
-  const bool bad_cta = __syncthreads_or(bad) || malformed;
+  const bool slot_cta = __syncthreads_or(bad), range_cta = Fp8 && __syncthreads_or(range_bad);
+  const bool bad_cta = slot_cta || range_cta || malformed;
   if (t4 == 0) {
     const int r = rt * 16 + g + dh * 8;
     s_alpha[r] = row_max;
@@ -342,7 +383,8 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
   }
   __syncthreads();
   const bool direct = p.splits == 1;
-  if (bad_cta && tid == 0) raise_guard(p.guard, malformed ? kGuardVerifyIndptr : kGuardKvSlot);
+  if (bad_cta && tid == 0)
+    raise_guard(p.guard, malformed ? kGuardVerifyIndptr : slot_cta ? kGuardKvSlot : kGuardFp8Range);
 #pragma unroll
   for (int i = 0; i < kRowTiles; ++i)
 #pragma unroll
@@ -350,7 +392,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
       const int r = i * 16 + g + half * 8, m = row0 + r;
       if (m >= rows_b) continue;
       const float l = s_l[r];
-      const float inv = bad_cta ? kNaN : l > 0.f ? 1.f / l : 0.f;
+      const float inv = bad_cta ? kNaN : l > 0.f ? k_scale / l : 0.f;
       const float lse = bad_cta ? kNaN : l > 0.f ? (s_alpha[r] + __log2f(l)) * 0.69314718055994531f : -INFINITY;
       const int node = m / p.heads, head = m - node * p.heads;
       const int64_t grow = static_cast<int64_t>(q_begin) * p.heads + m;
@@ -476,7 +518,11 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
     KD_CHECK(!k_scale && k_scale_value == 1.0, "k_scale applies to an fp8 kv_cache only (kv_cache is torch.",
              dtype_name(kv_cache.scalar_type()), ")");
   }
-  KD_CHECK(std::isfinite(k_scale_value), "k_scale must be finite, got ", k_scale_value);
+  {  // the fp8 math divides by it (Fp8Math); a tensor's value is checked on the device (kGuardFp8Range)
+    const float ks = static_cast<float>(k_scale_value);
+    KD_CHECK(ks >= 1.17549435e-38f && ks <= 3.4028234e38f,
+             "k_scale must be finite and positive (a normal float32, >= 2^-126), got ", k_scale_value);
+  }
   if (k_scale) {
     KD_CHECK(k_scale->scalar_type() == at::kFloat && k_scale->numel() == 1,
              "k_scale must be a float32 tensor of one element, got torch.", dtype_name(k_scale->scalar_type()), " ",

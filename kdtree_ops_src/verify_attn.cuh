@@ -20,10 +20,9 @@ constexpr float kRescaleSlack = 8.f;
 template <typename T> struct VerifyParams {
   const T* q;
   int64_t q_st, q_sh;
-  // The pool: rows of T, or (kv8 set: an fp8 pool) rows of e4m3 bytes that the kernels widen
-  // to T times k_scale (*k_scale_ptr when set, so a graph replays a changed scale) as they
-  // land in shared memory; kv then only gives zero-filling copies a valid address. kv_stride
-  // is in elements either way.
+  // The pool: rows of T, or (kv8 set: an fp8 pool) rows of e4m3 bytes standing for e4m3 x
+  // k_scale (*k_scale_ptr when set, so a graph replays a changed scale; see Fp8Math); kv
+  // then only gives zero-filling copies a valid address. kv_stride is in elements either way.
   const T* kv;
   const uint8_t* kv8;
   int64_t kv_stride;
@@ -90,10 +89,16 @@ template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float 
   return r;
 }
 
-// Eight e4m3 values (8 bytes, first in the low byte) -> eight T values times `scale`, as 16
-// bytes. e4m3 -> f16 is exact (the hardware conversion on sm_89+), so the only rounding is
-// the product's to T.
-template <typename T> __device__ __forceinline__ uint4 dequant8(uint2 v, float scale) {
+// fp8 pools run float16 tensor-core math on the e4m3 values themselves, with k_scale applied
+// in float32: folded into the softmax scale for the scores and into the epilogue for the
+// output. e4m3 -> f16 is exact, so widening a row costs one conversion per pair of values and
+// rounds nothing. q (bf16) enters f16 times a per-CTA power of two (exact; folded out with
+// k_scale), and the tree's own rows (T, unscaled) enter f16 divided by k_scale, so that every
+// key of a tile is in the pool's units (one rounding, 2^-11 relative: finer than T's own).
+using Fp8Math = __half;
+
+// Eight e4m3 values (8 bytes, first in the low byte) -> eight f16 values (16 bytes), exactly.
+__device__ __forceinline__ uint4 widen_e4m3x8(uint2 v) {
   uint4 r;
   uint32_t* out = &r.x;
 #pragma unroll
@@ -101,10 +106,51 @@ template <typename T> __device__ __forceinline__ uint4 dequant8(uint2 v, float s
     const uint32_t word = k < 2 ? v.x : v.y;
     const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
         static_cast<__nv_fp8x2_storage_t>(word >> (16 * (k & 1))), __NV_E4M3);
-    const float2 f = __half22float2(__half2(h));
-    out[k] = pack2<T>(f.x * scale, f.y * scale);
+    out[k] = static_cast<uint32_t>(h.x) | static_cast<uint32_t>(h.y) << 16;
   }
   return r;
+}
+
+template <typename T> __device__ __forceinline__ float2 unpack2(uint32_t w) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+  } else {
+    return __half22float2(*reinterpret_cast<const __half2*>(&w));
+  }
+}
+
+// Eight T values (16 bytes) -> eight f16 values times `scale`. `beyond` is set where a product
+// passes f16's largest finite value (65504), which would turn into inf.
+template <typename T> __device__ __forceinline__ uint4 to_f16x8(uint4 v, float scale, bool& beyond) {
+  uint32_t* w = &v.x;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float2 f = unpack2<T>(w[k]);
+    const float lo = f.x * scale, hi = f.y * scale;
+    beyond |= fabsf(lo) > 65504.f || fabsf(hi) > 65504.f;
+    w[k] = pack2<__half>(lo, hi);
+  }
+  return v;
+}
+
+// The largest |x| of the 16-bit floats of `w`, as bits (NaN above every magnitude).
+__device__ __forceinline__ uint32_t peak_bits(uint32_t acc, uint32_t w) { return __vmaxu2(acc, w & 0x7fff7fffu); }
+__device__ __forceinline__ uint32_t peak_bits_fold(uint32_t acc) { return max(acc & 0xffffu, acc >> 16); }
+
+// The power of two a bf16 q whose largest magnitude is bf16 bits `peak` is multiplied by on
+// its way into f16: it puts that magnitude in [2^14, 2^15), far from f16's overflow, and keeps
+// every bf16 significand bit of values down to 2^-28 of it. 1 for zero, inf or NaN.
+__device__ __forceinline__ float q_f16_factor(uint32_t peak) {
+  const float mag = __uint_as_float(peak << 16);
+  if (!(mag > 0.f) || !(mag <= 3.4028234e38f)) return 1.f;
+  int x;
+  frexpf(mag, &x);  // mag in [2^(x - 1), 2^x)
+  return __int_as_float((min(max(15 - x, -126), 126) + 127) << 23);
+}
+
+// k_scale as the fp8 math can use it: a positive normal float32 (its inverse is finite).
+__device__ __forceinline__ bool k_scale_usable(float k_scale) {
+  return k_scale >= 1.17549435e-38f && k_scale <= 3.4028234e38f;
 }
 
 template <typename T> __device__ __forceinline__ float kv_scale(const VerifyParams<T>& p) {

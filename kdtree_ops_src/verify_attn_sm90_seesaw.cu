@@ -211,27 +211,33 @@ __device__ __forceinline__ SeesawSpan seesaw_span(const VerifyParams<T>& p, int 
   return c;
 }
 
-// The producer over an fp8 pool. Thread lt owns row lt / 2 of each tile and dims
-// [32 (lt % 2), +32) of each 64-dim column block: four 16-byte chunks of the swizzled K
-// buffer. A prefix row's 32 e4m3 bytes land by cp.async in the first two of those chunks
-// and the same thread widens them in place to T times k_scale once they are there, so no
-// thread waits on another's copies and no barrier joins them; a tree row (T already) or a
-// key past the end (zeros) lands in place directly. A half is ready once it is widened.
+// The producer over an fp8 pool (Fp8Math). Thread lt owns a row r of each tile and dims
+// [16 hh, +16) and [32 + 16 hh, +16) (hh = 0 or 1) of each 64-dim column block: four 16-byte
+// chunks of the swizzled K buffer, so that the two threads of a row copy whole 32-byte
+// sectors of it. A prefix row's 16 e4m3 bytes of each pair of chunks land by cp.async in the
+// second chunk and the same thread widens them in place to f16 once they are there, so no
+// thread waits on another's copies and no barrier joins them; a tree row (T) lands in all
+// four and the same thread turns it into f16 in the pool's units (divided by k_scale;
+// `beyond` if that passes f16's range); a key past the end lands as zeros. A half is ready
+// once it is converted.
 // The producer polls two things and does whichever is possible: issue the next half's
 // copies (its buffer freed) or widen the oldest half in flight (landed). Widening a half
 // only after the next one's buffer is free would chain each odd tile's S to the even
 // tile's P V and undo the seesaw.
-template <typename T, typename Idx>
-__device__ __forceinline__ void produce_fp8(const VerifyParams<T>& p, uint32_t sK, uint8_t* k_smem,
-                                            const Idx* kv_indices, int q_begin, int prefix, int key_begin,
-                                            int key_end, int n_pairs, int lt, uint32_t bar_q, bool& bad) {
-  const int r = lt >> 1, hh = lt & 1;
-  const float k_scale = kv_scale(p);
+template <typename T, typename SlotOf>
+__device__ __forceinline__ void produce_fp8(const VerifyParams<T>& p, uint32_t sK, uint8_t* k_smem, SlotOf slot_of,
+                                            int q_begin, int prefix, int key_begin, int key_end, int n_pairs,
+                                            int lt, uint32_t bar_q, bool& bad, bool& beyond) {
+  using Idx = decltype(slot_of(0));
+  // Lanes 0-7 of a warp: rows 8 w' .. 8 w' + 7 with hh = 0, lanes 8-15 the same rows with hh = 1
+  // (w' = 2 warp + lane / 16): each 16-byte access phase of 8 lanes meets 8 distinct swizzled
+  // chunks, and one copy instruction reads whole sectors.
+  const int r = (lt & 7) + 8 * (lt >> 4), hh = (lt >> 3) & 1;
+  const float tree_to_pool = 1.f / kv_scale(p);
   // ready [buf][half] at bars + 8 (2 buf + half); free 32 bytes further, landed 64
   const uint32_t bars = bar_q + 8;
-  auto chunk = [&](int i) { return r * 128 + (((4 * hh + i) ^ (r & 7)) << 4); };
+  auto chunk = [&](int i) { return r * 128 + ((((i & 1) + 2 * hh + 4 * (i >> 1)) ^ (r & 7)) << 4); };
   auto key_of = [&](int pair, int tl) { return key_begin + pair * kPairKeys + tl * kTileKeys + r; };
-  auto slot_of = [&](int key) { return key < prefix && key < key_end ? __ldg(kv_indices + key) : Idx(0); };
   // The halves in the order the consumers read them (see the bf16 producer).
   // Half h of a pair: tile h % 2; dims 0-255 for h = 0, 3, dims 256-575 for h = 1, 2.
   auto tile_of = [](int h) { return h & 1; };
@@ -242,36 +248,44 @@ __device__ __forceinline__ void produce_fp8(const VerifyParams<T>& p, uint32_t s
     const int key = key_of(pr, tl);
     const uint32_t base = sK + tl * kTileBytes;
     if (key < prefix && key < key_end) {
-      const uint8_t* src = p.kv8 + static_cast<int64_t>(checked_slot(p, tl ? slot1 : slot0, bad)) * p.kv_stride + hh * 32;
+      const uint8_t* src = p.kv8 + static_cast<int64_t>(checked_slot(p, tl ? slot1 : slot0, bad)) * p.kv_stride + hh * 16;
 #pragma unroll
       for (int cb = cb0; cb < cb1; ++cb) {
-        cp_async16(base + cb * kBlockBytes + chunk(0), src + cb * 64, true);
-        cp_async16(base + cb * kBlockBytes + chunk(1), src + cb * 64 + 16, true);
+        cp_async16(base + cb * kBlockBytes + chunk(1), src + cb * 64, true);
+        cp_async16(base + cb * kBlockBytes + chunk(3), src + cb * 64 + 32, true);
       }
     } else {
       const bool valid = key < key_end;
-      const T* src = p.tree_k + (valid ? static_cast<int64_t>(q_begin + key - prefix) * p.tk_stride : 0) + hh * 32;
+      const T* src = p.tree_k + (valid ? static_cast<int64_t>(q_begin + key - prefix) * p.tk_stride : 0) + hh * 16;
 #pragma unroll
       for (int cb = cb0; cb < cb1; ++cb)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) cp_async16(base + cb * kBlockBytes + chunk(i), src + cb * 64 + i * 8, valid);
+        for (int i = 0; i < 4; ++i) cp_async16(base + cb * kBlockBytes + chunk(i), src + cb * 64 + (i & 1) * 8 + (i >> 1) * 32, valid);
     }
   };
   auto widen = [&](int pr, int h) {
     const int tl = tile_of(h), cb0 = half_of(h) ? 4 : 0, cb1 = half_of(h) ? kCols : 4;
     const int key = key_of(pr, tl);
+    uint8_t* base = k_smem + tl * kTileBytes;
     if (key < prefix && key < key_end) {
-      uint8_t* base = k_smem + tl * kTileBytes;
 #pragma unroll
       for (int cb = cb0; cb < cb1; ++cb) {
         uint8_t* blk = base + cb * kBlockBytes;
-        const uint4 a = *reinterpret_cast<const uint4*>(blk + chunk(0));
-        const uint4 b = *reinterpret_cast<const uint4*>(blk + chunk(1));
-        *reinterpret_cast<uint4*>(blk + chunk(0)) = dequant8<T>(make_uint2(a.x, a.y), k_scale);
-        *reinterpret_cast<uint4*>(blk + chunk(1)) = dequant8<T>(make_uint2(a.z, a.w), k_scale);
-        *reinterpret_cast<uint4*>(blk + chunk(2)) = dequant8<T>(make_uint2(b.x, b.y), k_scale);
-        *reinterpret_cast<uint4*>(blk + chunk(3)) = dequant8<T>(make_uint2(b.z, b.w), k_scale);
+        const uint4 a = *reinterpret_cast<const uint4*>(blk + chunk(1));
+        const uint4 b = *reinterpret_cast<const uint4*>(blk + chunk(3));
+        *reinterpret_cast<uint4*>(blk + chunk(0)) = widen_e4m3x8(make_uint2(a.x, a.y));
+        *reinterpret_cast<uint4*>(blk + chunk(1)) = widen_e4m3x8(make_uint2(a.z, a.w));
+        *reinterpret_cast<uint4*>(blk + chunk(2)) = widen_e4m3x8(make_uint2(b.x, b.y));
+        *reinterpret_cast<uint4*>(blk + chunk(3)) = widen_e4m3x8(make_uint2(b.z, b.w));
       }
+    } else if (key < key_end) {
+#pragma unroll
+      for (int cb = cb0; cb < cb1; ++cb)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          uint4* c = reinterpret_cast<uint4*>(base + cb * kBlockBytes + chunk(i));
+          *c = to_f16x8<T>(*c, tree_to_pool, beyond);
+        }
     }
     fence_proxy_async();  // the widened rows are read by wgmma (async proxy)
     mbar_arrive(bars + 8 * (2 * tl + half_of(h)));
@@ -308,6 +322,7 @@ __device__ __forceinline__ void produce_fp8(const VerifyParams<T>& p, uint32_t s
 template <typename T, typename Idx, bool Fp8>
 __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const VerifyParams<T> p) {
 #ifdef KD_SM90A
+  using M = std::conditional_t<Fp8, Fp8Math, T>;  // the tensor-core operands
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   const uint32_t s_base = smem_addr(smem);
@@ -367,12 +382,13 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
     cp_async_arrive(bar_q);
 
     const Idx* kv_indices = static_cast<const Idx*>(p.kv_indices) + kv_begin;
-    bool bad = false;  // met a prefix slot outside kv_cache (checked_slot)
+    bool bad = false;     // met a prefix slot outside kv_cache (checked_slot)
+    bool beyond = false;  // fp8: a tree row beyond f16 in the pool's units (kGuardFp8Range)
     auto slot_of = [&](int key) {
       return key < prefix && key < key_end ? __ldg(kv_indices + key) : Idx(0);
     };
     if constexpr (Fp8) {
-      produce_fp8(p, sK, smem + kOffK, kv_indices, q_begin, prefix, key_begin, key_end, n_pairs, lt, bar_q, bad);
+      produce_fp8(p, sK, smem + kOffK, slot_of, q_begin, prefix, key_begin, key_end, n_pairs, lt, bar_q, bad, beyond);
     } else {
     // Key of this thread's row i (tile i / 4, row grp + 16 (i % 4)) of a pair; the prefix slot
     // behind it (0 for a tree key or past the end), as loaded: checked only where a copy uses
@@ -427,6 +443,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
     }
     }
     bar_or<kBarLoaded, kThreads>(bad);
+    if constexpr (Fp8) bar_or<kBarLoaded, kThreads>(beyond);
   } else {
     // ================= consumers =================
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
@@ -438,7 +455,35 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
     const int nodeA = mA < rows_b ? mA / p.heads : 0, nodeB = mB < rows_b ? mB / p.heads : 0;
     const int32_t* maskA = p.mask ? p.mask + (q_begin + nodeA) * p.mask_stride : nullptr;
     const int32_t* maskB = p.mask ? p.mask + (q_begin + nodeB) * p.mask_stride : nullptr;
-    const float c = p.scale_log2;  // > 0 (the host sends other scales elsewhere)
+    // fp8 pool: k_scale, and 1 / the power of two a bf16 q takes into f16, scale the scores in
+    // float32 and k_scale the output (Fp8Math). The consumers convert Q in place once it lands.
+    const float k_scale = Fp8 ? kv_scale(p) : 1.f;
+    float q_factor = 1.f;
+    mbar_wait(bar_q, 0);
+    if constexpr (Fp8 && std::is_same_v<T, __nv_bfloat16>) {
+      constexpr int kPerThread = kTileBytes / 16 / (2 * kWgThreads);
+      uint4* q16 = reinterpret_cast<uint4*>(smem) + tid;
+      uint32_t peak = 0;
+#pragma unroll
+      for (int j = 0; j < kPerThread; ++j) {
+        const uint4 v = q16[j * 2 * kWgThreads];
+        peak = peak_bits(peak_bits(peak_bits(peak_bits(peak, v.x), v.y), v.z), v.w);
+      }
+      peak = __reduce_max_sync(0xffffffffu, peak_bits_fold(peak));
+      uint32_t* s_peak = reinterpret_cast<uint32_t*>(s_max);  // free until the first softmax
+      if (lane == 0) s_peak[tid >> 5] = peak;
+      named_sync(kBarSum);
+#pragma unroll
+      for (int w = 0; w < 2 * kWgThreads / 32; ++w) peak = max(peak, s_peak[w]);
+      q_factor = q_f16_factor(peak);
+      bool unused = false;  // |q| x q_factor < 2^15
+#pragma unroll
+      for (int j = 0; j < kPerThread; ++j) q16[j * 2 * kWgThreads] = to_f16x8<T>(q16[j * 2 * kWgThreads], q_factor, unused);
+      fence_proxy_async();  // read by wgmma (async proxy)
+      named_sync(kBarSum);  // every thread's part of Q, and every read of s_peak
+    }
+    const float c = Fp8 ? p.scale_log2 * (k_scale / q_factor) : p.scale_log2;  // > 0 (the host sends other scales elsewhere)
+    const float out_scale = k_scale;
     const int unmasked_end = min(prefix, key_end);  // tiles below need no mask
 
     auto tree_visible = [&](const int32_t* mrow, int node, int j) {
@@ -491,7 +536,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
           lB += s[4 * i + 2 + e];
         }
 #pragma unroll
-      for (int q = 0; q < 16; ++q) ps[q] = pack2<T>(s[2 * q], s[2 * q + 1]);
+      for (int q = 0; q < 16; ++q) ps[q] = pack2<M>(s[2 * q], s[2 * q + 1]);
     };
     auto scale_o = [](float (&o)[128], float aA, float aB) {
 #pragma unroll
@@ -519,7 +564,6 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
     uint32_t ps[16];
     // Running max (log2 domain) of rows rA, rB, and this thread's share of their sums.
     float runA = kMaxInit, runB = kMaxInit, lA = 0.f, lB = 0.f;
-    mbar_wait(bar_q, 0);
 
     if (wg == 0) {
       const uint64_t v0 = v_desc(sK, 0), v1 = v_desc(sK + kTileBytes, 0);
@@ -530,10 +574,10 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
           mbar_wait(bar_ready(0, 0), 0);
           fence_proxy_async();
           wgmma_fence();
-          issue_qk<T, 0, 4, true>(s, sQ, sK);
+          issue_qk<M, 0, 4, true>(s, sQ, sK);
           mbar_wait(bar_ready(0, 1), 0);
           fence_proxy_async();
-          issue_qk<T, 4, kCols, false>(s, sQ, sK);
+          issue_qk<M, 4, kCols, false>(s, sQ, sK);
           wgmma_commit();
           wgmma_wait<0>();
           fence_regs(s);
@@ -558,7 +602,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
         named_arrive(kBarMax0);
         // O[:, 0:256) += P0 V0
         wgmma_fence();
-        issue_pv_rs<T>(o, ps, v0);
+        issue_pv_rs<M>(o, ps, v0);
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(o);
@@ -574,7 +618,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
 #pragma unroll
             for (int q = 0; q < 16; ++q) {
               const float a = (q & 1) ? aB : aA;
-              ps[q] = pack2<T>(s[2 * q] * a, s[2 * q + 1] * a);
+              ps[q] = pack2<M>(s[2 * q] * a, s[2 * q + 1] * a);
             }
           }
           store_p(sP0, ps);
@@ -587,20 +631,20 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
         // O[:, 0:256) += P1 V1
         named_sync(kBarP1);
         wgmma_fence();
-        issue_pv_ss<T>(o, sP1, v1);
+        issue_pv_ss<M>(o, sP1, v1);
         wgmma_commit();
         if (pr + 1 < n_pairs) {
           // the next even tile's S while P1 V1 runs
           mbar_wait(bar_ready(0, 0), parity ^ 1);
           fence_proxy_async();
           wgmma_fence();
-          issue_qk<T, 0, 4, true>(s, sQ, sK);
+          issue_qk<M, 0, 4, true>(s, sQ, sK);
           wgmma_commit();
           wgmma_wait<1>();
           mbar_arrive(bar_free(1, 0));
           mbar_wait(bar_ready(0, 1), parity ^ 1);
           fence_proxy_async();
-          issue_qk<T, 4, kCols, false>(s, sQ, sK);
+          issue_qk<M, 4, kCols, false>(s, sQ, sK);
           wgmma_commit();
           wgmma_wait<0>();
           fence_regs(s);
@@ -619,10 +663,10 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
         mbar_wait(bar_ready(1, 1), parity);
         fence_proxy_async();
         wgmma_fence();
-        issue_qk<T, 4, kCols, true>(s, sQ, sK + kTileBytes);
+        issue_qk<M, 4, kCols, true>(s, sQ, sK + kTileBytes);
         mbar_wait(bar_ready(1, 0), parity);
         fence_proxy_async();
-        issue_qk<T, 0, 4, false>(s, sQ, sK + kTileBytes);
+        issue_qk<M, 0, 4, false>(s, sQ, sK + kTileBytes);
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(s);
@@ -648,7 +692,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
         named_arrive(kBarMax1);
         // O[:, 256:512) += P1 V1, and P1 to WG0
         wgmma_fence();
-        issue_pv_rs<T>(o, ps, v1);
+        issue_pv_rs<M>(o, ps, v1);
         wgmma_commit();
         store_p(sP1, ps);
         fence_proxy_async();
@@ -656,7 +700,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
         // O[:, 256:512) += P0 V0
         named_sync(kBarP0);
         wgmma_fence();
-        issue_pv_ss<T>(o, sP0, v0);
+        issue_pv_ss<M>(o, sP0, v0);
         wgmma_commit();
         wgmma_wait<1>();
         mbar_arrive(bar_free(1, 1));
@@ -678,14 +722,17 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
     named_sync(kBarSum);
     // A slot outside kv_cache met by the producer, or a malformed batch: NaN rows.
     const bool malformed = s_tile[0] == kMalformedBatch;
-    const bool direct = p.splits == 1, bad = bar_or<kBarLoaded, kThreads>(false) || malformed;
-    if (bad && tid == 0) raise_guard(p.guard, malformed ? kGuardVerifyIndptr : kGuardKvSlot);
+    const bool slot_bad = bar_or<kBarLoaded, kThreads>(false);
+    const bool range_bad = Fp8 && (bar_or<kBarLoaded, kThreads>(false) || !k_scale_usable(k_scale));
+    const bool direct = p.splits == 1, bad = slot_bad || range_bad || malformed;
+    if (bad && tid == 0)
+      raise_guard(p.guard, malformed ? kGuardVerifyIndptr : slot_bad ? kGuardKvSlot : kGuardFp8Range);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = half ? rB : rA, m = row0 + r;
       if (m >= rows_b) continue;
       const float l = s_sum[r] + s_sum[kRows + r], mx = half ? runB : runA;
-      const float inv = bad ? kNaN : l > 0.f ? 1.f / l : 0.f;
+      const float inv = bad ? kNaN : l > 0.f ? out_scale / l : 0.f;
       const int node = m / p.heads, head = m - node * p.heads;
       if (direct) {
         T* dst = p.out + (q_begin + node) * p.out_st + head * p.out_sh + wg * 256 + t4 * 2;
