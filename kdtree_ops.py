@@ -61,7 +61,7 @@ __all__ = [
     "build", "load", "cuda_available", "cache_root", "env_flag", "env_number", "check_mode",
     "guard_errors", "GUARDS",
     "merge_state", "merge_state_",
-    "verify_attn", "verify_attn_reference", "pack_tree_mask", "sglang_mask_to_packed",
+    "verify_attn", "verify_attn_reference", "k_scale_usable", "pack_tree_mask", "sglang_mask_to_packed",
     "pack_bits", "unpack_bits", "ancestor_mask",
     "Tree", "draft_topk", "build_tree", "VerifyMetadata", "verify_metadata", "flat_custom_mask", "flat_mask_size",
     "accept_walk", "SGLangTree", "sglang_build_tree", "RetrieveAccept", "accept_retrieve",
@@ -790,7 +790,7 @@ def _check_k_scale(k_scale, k_scale_value, kv_cache, q):
         _check(k_scale.dtype == torch.float32 and k_scale.dim() <= 1 and k_scale.numel() == 1,
                lambda: f"kdtree: k_scale must be a float32 tensor of one element, got {k_scale.dtype} {tuple(k_scale.shape)}")
     if isinstance(k_scale_value, float):  # a traced SymFloat is checked when the call runs eagerly
-        _check(_k_scale_usable(k_scale_value), lambda: f"kdtree: {_K_SCALE_RULE}, got {k_scale_value}")
+        _check(k_scale_usable(k_scale_value), lambda: f"kdtree: {_K_SCALE_RULE}, got {k_scale_value}")
 
 
 # The CUDA kernels divide by k_scale in float32 (tree rows into the pool's units).
@@ -798,7 +798,9 @@ _K_SCALE_RULE = "k_scale must be finite and positive (a normal float32, >= 2^-12
 _F32_TINY, _F32_MAX = 2.0**-126, float(torch.finfo(torch.float32).max)
 
 
-def _k_scale_usable(value: float) -> bool:
+def k_scale_usable(value: float) -> bool:
+    """Whether ``value`` is a k_scale verify_attn takes for an fp8 kv_cache: finite and
+    positive once rounded to float32, at least 2^-126 (the CUDA kernels divide by it)."""
     try:  # as the kernels read it: rounded to float32
         as_f32 = struct.unpack("f", struct.pack("f", value))[0]
     except OverflowError:
@@ -825,7 +827,7 @@ def _k_scale_op_args(k_scale, kv_cache):
 def _check_verify_values(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, k_scale=None):
     """Value check: indptrs from 0, non-decreasing, covering q's rows and within kv_indices;
     every used slot a row of kv_cache; every request's nodes within tree_mask's words; a
-    k_scale tensor finite."""
+    k_scale tensor's value usable (k_scale_usable)."""
     kvp = _check_indptr_values(kv_indptr, "kv_indptr", at_most=kv_indices.shape[0], at_most_what="len(kv_indices)")
     qo = _check_indptr_values(qo_indptr, "qo_indptr", end=q.shape[0], end_what="rows of q")
     _check_range_values(kv_indices[: kvp[-1]], "kv_indices", 0, kv_cache.shape[0], "rows of kv_cache")
@@ -836,7 +838,7 @@ def _check_verify_values(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mas
                   f"got {tree_mask.shape[1]}")
     if k_scale is not None:
         value = k_scale.item()
-        if not _k_scale_usable(value):
+        if not k_scale_usable(value):
             _fail(f"{_K_SCALE_RULE}, got {value}")
 
 

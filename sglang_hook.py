@@ -400,7 +400,7 @@ def _scale_reason(layer, pool_dtype: torch.dtype) -> Optional[str]:
         k_descale, v_descale = _kv_descales(layer)
         if k_descale != v_descale:
             return f"k_scale {k_descale} != v_scale {v_descale} on an fp8 KV cache"
-        if not (isinstance(k_descale, float) and math.isfinite(k_descale) and k_descale >= 2.0**-126):
+        if not (isinstance(k_descale, float) and kdtree_ops.k_scale_usable(k_descale)):
             return f"fp8 KV cache scale {k_descale!r} (a finite float >= 2^-126 is served)"
         return None
     k_scale, v_scale = getattr(layer, "k_scale_float", None), getattr(layer, "v_scale_float", None)

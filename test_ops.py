@@ -2401,6 +2401,7 @@ FALLBACKS = {  # reason words the warning must contain -> how to make the call n
     "k_scale=0.5": _kv_scales(0.5, 0.5),
     "fp8 e5m2 KV cache": lambda sgl, b, layer, kw: None,
     "k_scale 0.5 != v_scale 0.25 on an fp8 KV cache": _kv_scales(0.5, 0.25),
+    "fp8 KV cache scale 1e-40": _kv_scales(1e-40, 1e-40),
     "sliding-window": lambda sgl, b, layer, kw: setattr(layer, "sliding_window_size", 128),
     "logit cap": lambda sgl, b, layer, kw: setattr(layer, "logit_cap", 30.0),
     "sinks is set": lambda sgl, b, layer, kw: kw.update(sinks=torch.zeros(4)),
@@ -2411,6 +2412,7 @@ FALLBACKS = {  # reason words the warning must contain -> how to make the call n
 FALLBACK_POOLS = {  # reason -> the KV dtype of SGLang's pool for that case (else q's)
     "fp8 e5m2 KV cache": torch.float8_e5m2,
     "k_scale 0.5 != v_scale 0.25 on an fp8 KV cache": torch.float8_e4m3fn,
+    "fp8 KV cache scale 1e-40": torch.float8_e4m3fn,
 }
 
 

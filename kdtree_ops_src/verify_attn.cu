@@ -518,11 +518,8 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
     KD_CHECK(!k_scale && k_scale_value == 1.0, "k_scale applies to an fp8 kv_cache only (kv_cache is torch.",
              dtype_name(kv_cache.scalar_type()), ")");
   }
-  {  // the fp8 math divides by it (Fp8Math); a tensor's value is checked on the device (kGuardFp8Range)
-    const float ks = static_cast<float>(k_scale_value);
-    KD_CHECK(ks >= 1.17549435e-38f && ks <= 3.4028234e38f,
-             "k_scale must be finite and positive (a normal float32, >= 2^-126), got ", k_scale_value);
-  }
+  KD_CHECK(std::fabs(k_scale_value) <= FLT_MAX && k_scale_usable(static_cast<float>(k_scale_value)),
+           "k_scale must be finite and positive (a normal float32, >= 2^-126), got ", k_scale_value);
   if (k_scale) {
     KD_CHECK(k_scale->scalar_type() == at::kFloat && k_scale->numel() == 1,
              "k_scale must be a float32 tensor of one element, got torch.", dtype_name(k_scale->scalar_type()), " ",

@@ -9,6 +9,8 @@
 
 #include <cuda_fp8.h>
 
+#include <cfloat>
+
 namespace kdtree {
 
 constexpr int kDqk = 576, kDv = 512;
@@ -142,15 +144,16 @@ __device__ __forceinline__ uint32_t peak_bits_fold(uint32_t acc) { return max(ac
 // every bf16 significand bit of values down to 2^-28 of it. 1 for zero, inf or NaN.
 __device__ __forceinline__ float q_f16_factor(uint32_t peak) {
   const float mag = __uint_as_float(peak << 16);
-  if (!(mag > 0.f) || !(mag <= 3.4028234e38f)) return 1.f;
+  if (!(mag > 0.f) || !(mag <= FLT_MAX)) return 1.f;
   int x;
   frexpf(mag, &x);  // mag in [2^(x - 1), 2^x)
   return __int_as_float((min(max(15 - x, -126), 126) + 127) << 23);
 }
 
 // k_scale as the fp8 math can use it: a positive normal float32 (its inverse is finite).
-__device__ __forceinline__ bool k_scale_usable(float k_scale) {
-  return k_scale >= 1.17549435e-38f && k_scale <= 3.4028234e38f;
+// The host checks a float k_scale with it; the kernels check a tensor's (kGuardFp8Range).
+__host__ __device__ __forceinline__ bool k_scale_usable(float k_scale) {
+  return k_scale >= FLT_MIN && k_scale <= FLT_MAX;
 }
 
 template <typename T> __device__ __forceinline__ float kv_scale(const VerifyParams<T>& p) {
