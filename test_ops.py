@@ -1128,20 +1128,21 @@ def test_verify_attn_cuda_nonpositive_scale(verify_kernel, sm_scale):
 
 
 @needs_gpu
-@pytest.mark.parametrize("heads,nodes,batch,want", [
-    (16, 9, 1, "48"),  # 144 rows: 64-row tiles cover 192
-    (16, 9, 3, "48"),
-    (16, 3, 2, "48"),  # 48 rows
-    (16, 8, 1, "64"),  # 128 rows: 64-row tiles pad nothing
-    (128, 1, 2, "64"),
-    (16, 257, 1, "64"),  # 4112 rows: 64-row tiles cover 4160, 48-row ones 4128
-    (10, 10, 1, "64"),  # 100 rows: 48-row tiles would pad more (144)
+@pytest.mark.parametrize("heads,node_counts,want", [
+    (16, [9], "48"),  # 144 rows: 64-row tiles cover 192
+    (16, [9] * 3, "48"),
+    (16, [3] * 2, "48"),  # 48 rows
+    (16, [8], "64"),  # 128 rows: 64-row tiles pad nothing
+    (128, [1] * 2, "64"),
+    (16, [257], "64"),  # 4112 rows: 64-row tiles cover 4160, 48-row ones 4128
+    (10, [10], "64"),  # 100 rows: 48-row tiles would pad more (144)
+    (16, [9, 9, 8], "64"),  # T not a multiple of the batch: request sizes unknown to the host
 ])
-def test_verify_attn_cuda_portable_row_tile_choice(heads, nodes, batch, want, monkeypatch):
+def test_verify_attn_cuda_portable_row_tile_choice(heads, node_counts, want, monkeypatch):
     """Unforced, the portable kernel serves a shape exactly as the row tile the rule picks:
     48-row tiles where 64-row ones pad a fifth or more and 48-row ones pad less. The two row
     tiles sum S in different orders, so their lse differ in low bits."""
-    case = make_verify_case([1000] * batch, [nodes] * batch, heads)
+    case = make_verify_case([1000] * len(node_counts), node_counts, heads)
     monkeypatch.setenv("KDTREE_VERIFY_WGMMA", "0")
     served = {}
     for rows in ("", "48", "64"):
