@@ -14,9 +14,10 @@
 //
 // A request of 144 rows (16 heads x 9 nodes, DeepSeek at TP8) fills 64-row tiles to 75%; the
 // 48-row CTA covers it exactly: 12 warps, warp (rt = w % 3, dh = w / 3) owning a quarter of
-// the dims for S (the four summed through shared memory) and rows 16*rt.. x dims
-// [128 dh, +128) for O. It re-reads the prefix once per 48 rows instead of 64, so the
-// launcher takes it only where 64-row tiles pad enough rows (portable_rows).
+// the dims for S (the four summed through shared memory by parts 0 and 1, which run the
+// softmax as in the 64-row CTA) and rows 16*rt.. x dims [128 dh, +128) for O. It re-reads the
+// prefix once per 48 rows instead of 64, so the launcher takes it only where 64-row tiles pad
+// enough rows (portable_rows).
 //
 // On sm_90 (H100/H200) a Hopper kernel takes the same CTAs instead (verify_attn_sm90_seesaw.cu;
 // verify_attn_sm90.cu).
