@@ -966,6 +966,14 @@ def verify_attn(
     65504 x k_scale (146 times the pool's own e4m3 range): beyond it that request's rows come
     out NaN and ``guard_errors()`` reports it.
 
+    On CUDA a Hopper kernel serves sm_90 (``KDTREE_VERIFY_WGMMA=0`` and
+    ``KDTREE_VERIFY_SEESAW=0`` pick the others: README.md's table), and the portable kernel every
+    other GPU. Its CTAs take 64 or 48 (node, head) rows of a request: 48 when T is a multiple of
+    the batch size B and, for requests of T / B nodes, 64-row tiles would cover at least 1.2 times
+    the rows 48-row ones do (16 heads x 9 nodes: 192 rows against 144); the shapes alone decide.
+    ``KDTREE_VERIFY_ROWS=48`` or ``64`` forces either. Each variable is read at every call, so
+    also when a CUDA graph is captured.
+
     Parameters
     ----------
     q : Tensor [T, H, 576], bfloat16 or float16

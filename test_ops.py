@@ -1010,19 +1010,20 @@ VERIFY_GRID = [  # (prefix lens, node counts, heads)
     ([8191, 77], [257, 31], 16),
 ]
 
-# The kernels verify_attn chooses from on an H100/H200 (sm_90); on any other GPU every setting
-# runs the portable kernel.
+# The kernels verify_attn chooses from on an H100/H200 (sm_90); on any other GPU the first two
+# settings run the portable kernel with the row tile the shape picks.
 VERIFY_KERNEL_ENV = {
     "seesaw": {},
     "wgmma": {"KDTREE_VERIFY_SEESAW": "0"},
-    "portable": {"KDTREE_VERIFY_WGMMA": "0"},
+    "portable": {"KDTREE_VERIFY_WGMMA": "0", "KDTREE_VERIFY_ROWS": "64"},
+    "portable48": {"KDTREE_VERIFY_WGMMA": "0", "KDTREE_VERIFY_ROWS": "48"},
 }
 
 
 @pytest.fixture(params=list(VERIFY_KERNEL_ENV))
 def verify_kernel(request, monkeypatch):
     """Runs the test once per kernel (the choice is read at every call, so also at capture)."""
-    for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA"):
+    for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA", "KDTREE_VERIFY_ROWS"):
         monkeypatch.delenv(name, raising=False)
     for name, value in VERIFY_KERNEL_ENV[request.param].items():
         monkeypatch.setenv(name, value)
@@ -1124,6 +1125,33 @@ def test_verify_attn_cuda_nonpositive_scale(verify_kernel, sm_scale):
     case = dict(make_verify_case([700, 30], [9, 17], 8), sm_scale=sm_scale)
     out, lse = kdtree_ops.verify_attn(*verify_args(case))
     assert_verify_close(out, lse, case)
+
+
+@needs_gpu
+@pytest.mark.parametrize("heads,node_counts,want", [
+    (16, [9], "48"),  # 144 rows: 64-row tiles cover 192
+    (16, [9] * 3, "48"),
+    (16, [3] * 2, "48"),  # 48 rows
+    (16, [8], "64"),  # 128 rows: 64-row tiles pad nothing
+    (128, [1] * 2, "64"),
+    (16, [257], "64"),  # 4112 rows: 64-row tiles cover 4160, 48-row ones 4128
+    (10, [10], "64"),  # 100 rows: 48-row tiles would pad more (144)
+    (16, [9, 9, 8], "64"),  # T not a multiple of the batch: request sizes unknown to the host
+])
+def test_verify_attn_cuda_portable_row_tile_choice(heads, node_counts, want, monkeypatch):
+    """Unforced, the portable kernel serves a shape exactly as the row tile the rule picks:
+    48-row tiles where 64-row ones pad a fifth or more and 48-row ones pad less. The two row
+    tiles sum S in different orders, so their lse differ in low bits."""
+    case = make_verify_case([1000] * len(node_counts), node_counts, heads)
+    monkeypatch.setenv("KDTREE_VERIFY_WGMMA", "0")
+    served = {}
+    for rows in ("", "48", "64"):
+        monkeypatch.setenv("KDTREE_VERIFY_ROWS", rows)
+        served[rows] = kdtree_ops.verify_attn(*verify_args(case), max_kv_len=1000)
+    other = "64" if want == "48" else "48"
+    assert all(torch.equal(a, b) for a, b in zip(served[""], served[want]))
+    assert not torch.equal(served[""][1], served[other][1])
+    assert_verify_close(*served[""], case)
 
 
 INDPTR_DTYPES = list(itertools.product([torch.int32, torch.int64], repeat=2))  # (kv_indptr, qo_indptr)

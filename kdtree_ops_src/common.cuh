@@ -253,18 +253,26 @@ inline size_t dynamic_smem_limit(const at::Tensor& on) {
   return static_cast<size_t>(max_smem_optin(on)) - 1024;
 }
 
-// A KDTREE_* switch read exactly as kdtree_ops.env_flag reads it: 1/true/yes/on or
-// 0/false/no/off in any case, surrounding blanks ignored; unset or anything else is `fallback`
-// (Python also warns about the latter).
-inline bool env_flag(const char* name, bool fallback) {
+// A KDTREE_* variable as kdtree_ops reads it: surrounding blanks ignored, in lower case;
+// nullopt when unset.
+inline std::optional<std::string> env_setting(const char* name) {
   const char* raw = std::getenv(name);
-  if (raw == nullptr) return fallback;
+  if (raw == nullptr) return std::nullopt;
   std::string v(raw);
   const auto first = v.find_first_not_of(" \t\n\r"), last = v.find_last_not_of(" \t\n\r");
   v = first == std::string::npos ? "" : v.substr(first, last - first + 1);
   for (char& c : v) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  if (v == "1" || v == "true" || v == "yes" || v == "on") return true;
-  if (v.empty() || v == "0" || v == "false" || v == "no" || v == "off") return false;
+  return v;
+}
+
+// A KDTREE_* switch read exactly as kdtree_ops.env_flag reads it: 1/true/yes/on or
+// 0/false/no/off in any case, surrounding blanks ignored; unset or anything else is `fallback`
+// (Python also warns about the latter).
+inline bool env_flag(const char* name, bool fallback) {
+  const std::optional<std::string> v = env_setting(name);
+  if (!v) return fallback;
+  if (*v == "1" || *v == "true" || *v == "yes" || *v == "on") return true;
+  if (v->empty() || *v == "0" || *v == "false" || *v == "no" || *v == "off") return false;
   return fallback;
 }
 

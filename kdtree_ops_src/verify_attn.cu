@@ -12,6 +12,13 @@
 // O += P V: warp w owns all 64 rows x dims [64w, 64w+64). Shared memory stays under 99 KB
 // (sm_120) with two 32-key stages of 1,152-byte rows loaded by 16-byte cp.async.
 //
+// A request of 144 rows (16 heads x 9 nodes, DeepSeek at TP8) fills 64-row tiles to 75%; the
+// 48-row CTA covers it exactly: 12 warps, warp (rt = w % 3, dh = w / 3) owning a quarter of
+// the dims for S (the four summed through shared memory by parts 0 and 1, which run the
+// softmax as in the 64-row CTA) and rows 16*rt.. x dims [128 dh, +128) for O. It re-reads the
+// prefix once per 48 rows instead of 64, so the launcher takes it only where 64-row tiles pad
+// enough rows (portable_rows).
+//
 // On sm_90 (H100/H200) a Hopper kernel takes the same CTAs instead (verify_attn_sm90_seesaw.cu;
 // verify_attn_sm90.cu).
 #include "verify_attn.cuh"
@@ -21,24 +28,41 @@
 namespace kdtree {
 namespace {
 
-constexpr int kRowTiles = kRows / 16, kWarps = 8, kThreads = kWarps * 32;
-constexpr int kNT = kDv / 8 / kWarps;                           // 8-dim output tiles per warp
 constexpr int kRowBytes = kDqk * 2, kChunks = kRowBytes / 16;  // 72 16-byte chunks per row
 // Rows sit 1,168 B apart in shared memory: the extra 16 B move consecutive rows to different
 // bank groups, so the 8 rows one ldmatrix reads never conflict, and every fragment address
 // is a per-lane base plus a compile-time offset.
 constexpr int kRowPitch = kRowBytes + 16;
 constexpr int kStageBytes = kKeys * kRowPitch;
-constexpr int kHalfK = kDqk / 2 / 16;  // 18 k-steps per dim half
-constexpr int kPStride = kKeys + 8;    // padded P row (bf16)
+constexpr int kPStride = kKeys + 8;  // padded P row (bf16)
 constexpr int kSmemKV = 2 * kStageBytes;
-constexpr int kSmemS = kRowTiles * 2 * 8 * 32 * 4;
-constexpr int kSmemP = kRows * kPStride * 2;
-constexpr int kSmemBytes = kSmemKV + kSmemS + kSmemP + 2 * kRows * 4;
-static_assert(kSmemBytes <= 99 * 1024, "must fit sm_120's 99 KB per block");
-static_assert(kRows * kRowPitch <= kSmemKV, "Q is staged through the KV buffers");
-static_assert(kKeys / kWarps == 4, "fp8 tiles: one pass of 4 rows x 8 lanes per warp");
-static_assert(kChunks % 8 == 0 && kKeys / kWarps % 4 == 0 && kRows / kWarps % 4 == 0, "copy_rows: 4 rows x 8 lanes per pass");
+// Warps that copy (and, over an fp8 pool, widen) a KV tile: one pass of 4 rows x 8 lanes each.
+constexpr int kCopyWarps = kKeys / 4;
+static_assert(kChunks % 8 == 0, "copy_rows: 8 lanes per row");
+
+// A CTA's shape: Rows (node, head) rows in 16-row tiles; S splits the 576 dims into DimParts
+// (one warp per row tile and part), O splits the 512 dims into DimGroups.
+template <int Rows, int DimParts, int DimGroups> struct Cta {
+  static constexpr int kRows = Rows, kRowTiles = Rows / 16, kParts = DimParts;
+  static constexpr int kWarps = kRowTiles * DimParts, kThreads = kWarps * 32;
+  static constexpr int kPartK = kDqk / DimParts / 16;              // k-steps per dim part
+  static constexpr int kRowGroups = kWarps / DimGroups;            // O: warps per dim range
+  static constexpr int kORowTiles = kRowTiles / kRowGroups;        // O: row tiles per warp
+  static constexpr int kNT = kDv / 8 / DimGroups;                  // O: 8-dim tiles per warp
+  // S partials: parts 0 and 1 own the softmax of rows g and g + 8 and hand the other half to
+  // each other; every further part hands over both halves (2 kParts - 2 blocks of 8 x 32).
+  static constexpr int kSmemS = kRowTiles * (2 * kParts - 2) * 8 * 32 * 4;
+  static constexpr int kSmemP = kRows * kPStride * 2;
+  static constexpr int kSmemBytes = kSmemKV + kSmemS + kSmemP + 2 * kRows * 4;
+  static_assert(kSmemBytes <= 99 * 1024 - 1024, "must fit sm_120's 99 KB per block (static shared memory too)");
+  static_assert(kRows * kRowPitch <= kSmemKV, "Q is staged through the KV buffers");
+  static_assert(kWarps >= kCopyWarps && kRows / kWarps % 4 == 0, "copy_rows: 4 rows x 8 lanes per pass");
+  static_assert(kPartK * DimParts * 16 == kDqk && kORowTiles * kRowGroups == kRowTiles && kNT % 2 == 0);
+};
+using Cta64 = Cta<64, 2, 8>;
+using Cta48 = Cta<48, 4, 4>;
+static_assert(Cta64::kRows == kRows, "the Hopper kernels' row tile");
+
 template <typename Idx>
 __device__ __forceinline__ void cp_async_idx(uint32_t dst, const Idx* src, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src),
@@ -78,15 +102,17 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
   }
 }
 
-template <typename T, typename Idx, bool Fp8>
-__global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyParams<T> p) {
+template <typename C, typename T, typename Idx, bool Fp8>
+__global__ void __launch_bounds__(C::kThreads, 1) verify_attn_kernel(const VerifyParams<T> p) {
   using M = std::conditional_t<Fp8, Fp8Math, T>;  // the tensor-core operands
+  constexpr int kRows = C::kRows, kRowTiles = C::kRowTiles, kParts = C::kParts, kWarps = C::kWarps;
+  constexpr int kPartK = C::kPartK, kORowTiles = C::kORowTiles, kNT = C::kNT;
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* s_kv = smem;
-  float* s_part = reinterpret_cast<float*>(smem + kSmemKV);  // [row tiles][2][8][32] S halves
-  M* s_p = reinterpret_cast<M*>(smem + kSmemKV + kSmemS);     // [64][kPStride]
-  float* s_alpha = reinterpret_cast<float*>(smem + kSmemKV + kSmemS + kSmemP);  // [64]
-  float* s_l = s_alpha + kRows;                                                  // [64]
+  float* s_part = reinterpret_cast<float*>(smem + kSmemKV);  // [row tiles][2 kParts - 2][8][32] S parts
+  M* s_p = reinterpret_cast<M*>(smem + kSmemKV + C::kSmemS);  // [kRows][kPStride]
+  float* s_alpha = reinterpret_cast<float*>(smem + kSmemKV + C::kSmemS + C::kSmemP);  // [kRows]
+  float* s_l = s_alpha + kRows;                                                        // [kRows]
   __shared__ int s_req, s_row0;
   // Prefix slots of the next tiles, copied in by cp.async one tile ahead of the KV rows they
   // address, so issuing a tile's loads never waits on an index load from memory.
@@ -94,13 +120,15 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
-  // The row of a KV tile this thread copies (and, over an fp8 pool, converts): see copy_rows.
-  const int own_row = warp * (kKeys / kWarps) + (lane >> 3);
+  // Whether this warp copies KV tiles, and the row it copies (and, over an fp8 pool,
+  // converts): see copy_rows.
+  const bool copier = kWarps == kCopyWarps || warp < kCopyWarps;
+  const int own_row = warp * 4 + (lane >> 3);
 
-  // ---- which request and which 64 rows: scan the per-request tile counts ----
+  // ---- which request and which rows: scan the per-request tile counts ----
   if (warp == 0) {
     int req, row0;
-    find_row_tile(p, blockIdx.x, lane, req, row0);
+    find_row_tile<T, kRows>(p, blockIdx.x, lane, req, row0);
     if (lane == 0) {
       s_req = req;
       s_row0 = row0;
@@ -130,7 +158,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
     }
   };
 
-  // ---- stage Q (64 rows x 576) through the KV buffers, then keep it in registers ----
+  // ---- stage Q (kRows rows x 576) through the KV buffers, then keep it in registers ----
   copy_rows(s_kv, kRows / kWarps, [&](int r) -> const T* {
     const int m = row0 + r;
     if (m >= rows_b) return nullptr;
@@ -150,12 +178,14 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
   cp_async_wait<0>();
   __syncthreads();
 
+  // S: row tile rt, dim part dh. O: row tiles from o_tile0, dims from o_dim0.
   const int rt = warp % kRowTiles, dh = warp / kRowTiles;
-  uint32_t qf[kHalfK][4];
+  const int o_tile0 = warp % C::kRowGroups * kORowTiles, o_dim0 = warp / C::kRowGroups * kNT * 8;
+  uint32_t qf[kPartK][4];
   {
-    const uint32_t q_lane = smem_addr(s_kv + (rt * 16 + (lane & 15)) * kRowPitch + (dh * kHalfK * 2 + (lane >> 4)) * 16);
+    const uint32_t q_lane = smem_addr(s_kv + (rt * 16 + (lane & 15)) * kRowPitch + (dh * kPartK * 2 + (lane >> 4)) * 16);
 #pragma unroll
-    for (int ks = 0; ks < kHalfK; ++ks) ldmatrix_x4(qf[ks], q_lane + ks * 32);
+    for (int ks = 0; ks < kPartK; ++ks) ldmatrix_x4(qf[ks], q_lane + ks * 32);
   }
   // fp8 pool: k_scale (and 1 / the power of two a bf16 q takes into f16) scale the scores in
   // float32, and k_scale the output (Fp8Math).
@@ -167,7 +197,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
   if constexpr (kQToF16) {
     uint32_t peak = 0;
 #pragma unroll
-    for (int ks = 0; ks < kHalfK; ++ks)
+    for (int ks = 0; ks < kPartK; ++ks)
 #pragma unroll
       for (int i = 0; i < 4; ++i) peak = peak_bits(peak, qf[ks][i]);
     peak = __reduce_max_sync(0xffffffffu, peak_bits_fold(peak));
@@ -180,7 +210,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
     for (int w = 0; w < kWarps; ++w) peak = max(peak, s_peak[w]);
     q_factor = q_f16_factor(peak);
 #pragma unroll
-    for (int ks = 0; ks < kHalfK; ++ks)
+    for (int ks = 0; ks < kPartK; ++ks)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const float2 f = unpack2<T>(qf[ks][i]);
@@ -193,45 +223,48 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
   bool bad = false;  // met a prefix slot outside kv_cache (checked_slot)
   auto load_tile = [&](int t, int stage) {
     const Idx* slots = s_slot[t % 3];
-    if (Fp8 && t < pre_tiles) {
-      // An fp8 row lands in the chunks its f16 values will fill: the thread that copies chunk
-      // c's 8 bytes is the one that widens them in place, so no other thread's data is
-      // overwritten and no extra barrier is needed.
-      const int first = pre_begin + t * kKeys;
-      const bool valid = first + own_row < pre_end;
-      const uint8_t* src = p.kv8 + (lane & 7) * 8;
-      if (valid) src += static_cast<int64_t>(checked_slot(p, slots[own_row], bad)) * p.kv_stride;
-      const uint32_t d = smem_addr(s_kv + stage * kStageBytes + own_row * kRowPitch) + (lane & 7) * 16;
+    if (copier) {
+      if (Fp8 && t < pre_tiles) {
+        // An fp8 row lands in the chunks its f16 values will fill: the thread that copies chunk
+        // c's 8 bytes is the one that widens them in place, so no other thread's data is
+        // overwritten and no extra barrier is needed.
+        const int first = pre_begin + t * kKeys;
+        const bool valid = first + own_row < pre_end;
+        const uint8_t* src = p.kv8 + (lane & 7) * 8;
+        if (valid) src += static_cast<int64_t>(checked_slot(p, slots[own_row], bad)) * p.kv_stride;
+        const uint32_t d = smem_addr(s_kv + stage * kStageBytes + own_row * kRowPitch) + (lane & 7) * 16;
 #pragma unroll
-      for (int c = 0; c < kChunks / 8; ++c) cp_async8(d + c * 128, src + c * 64, valid);
-    } else if (t < pre_tiles) {
-      const int first = pre_begin + t * kKeys;
-      copy_rows(s_kv + stage * kStageBytes, kKeys / kWarps, [&](int k) -> const T* {
-        return first + k < pre_end ? p.kv + static_cast<int64_t>(checked_slot(p, slots[k], bad)) * p.kv_stride : nullptr;
-      });
-    } else {
-      const int first = (t - pre_tiles) * kKeys;
-      copy_rows(s_kv + stage * kStageBytes, kKeys / kWarps, [&](int k) -> const T* {
-        return first + k < nodes ? p.tree_k + static_cast<int64_t>(q_begin + first + k) * p.tk_stride : nullptr;
-      });
+        for (int c = 0; c < kChunks / 8; ++c) cp_async8(d + c * 128, src + c * 64, valid);
+      } else if (t < pre_tiles) {
+        const int first = pre_begin + t * kKeys;
+        copy_rows(s_kv + stage * kStageBytes, kKeys / kCopyWarps, [&](int k) -> const T* {
+          return first + k < pre_end ? p.kv + static_cast<int64_t>(checked_slot(p, slots[k], bad)) * p.kv_stride : nullptr;
+        });
+      } else {
+        const int first = (t - pre_tiles) * kKeys;
+        copy_rows(s_kv + stage * kStageBytes, kKeys / kCopyWarps, [&](int k) -> const T* {
+          return first + k < nodes ? p.tree_k + static_cast<int64_t>(q_begin + first + k) * p.tk_stride : nullptr;
+        });
+      }
     }
     cp_async_commit();
   };
 
   // Per-lane fragment bases (stage 0); ldmatrix addresses add compile-time offsets to these.
   const int mi = lane >> 3;
-  const uint32_t k_lane = smem_addr(s_kv + ((mi >> 1) * 8 + (lane & 7)) * kRowPitch + ((mi & 1) + dh * kHalfK * 2) * 16);
-  const uint32_t v_lane = smem_addr(s_kv + ((mi & 1) * 8 + (lane & 7)) * kRowPitch + ((mi >> 1) + warp * kNT) * 16);
-  const uint32_t p_lane = smem_addr(s_p + (lane & 15) * kPStride + (lane >> 4) * 8);
+  const uint32_t k_lane = smem_addr(s_kv + ((mi >> 1) * 8 + (lane & 7)) * kRowPitch + ((mi & 1) + dh * kPartK * 2) * 16);
+  const uint32_t v_lane = smem_addr(s_kv + ((mi & 1) * 8 + (lane & 7)) * kRowPitch + (mi >> 1) * 16 + o_dim0 * 2);
+  const uint32_t p_lane = smem_addr(s_p + (o_tile0 * 16 + (lane & 15)) * kPStride + (lane >> 4) * 8);
 
-  float o[kRowTiles][kNT][4];
+  float o[kORowTiles][kNT][4];
 #pragma unroll
-  for (int i = 0; i < kRowTiles; ++i)
+  for (int i = 0; i < kORowTiles; ++i)
 #pragma unroll
     for (int j = 0; j < kNT; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[i][j][e] = 0.f;
-  // Softmax: warp (rt, dh) owns row rt*16 + g + 8*dh; running max (log2 domain) and sum.
+  // Softmax: warp (rt, dh < 2) owns row rt*16 + g + 8*dh; running max (log2 domain) and sum.
+  const bool owner = kParts == 2 || dh < 2;
   float row_max = -INFINITY, row_sum = 0.f;
   const int my_row = rt * 16 + g + dh * 8;
 
@@ -247,11 +280,11 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
     }
     if (Fp8) {  // this thread's own copies of tile t -> f16 in place (the same chunks either way)
       uint8_t* row = s_kv + stage * kStageBytes + own_row * kRowPitch + (lane & 7) * 16;
-      if (t < pre_tiles) {
+      if (copier && t < pre_tiles) {
 #pragma unroll
         for (int c = 0; c < kChunks / 8; ++c)
           *reinterpret_cast<uint4*>(row + c * 128) = widen_e4m3x8(*reinterpret_cast<const uint2*>(row + c * 128));
-      } else {
+      } else if (copier) {
 #pragma unroll
         for (int c = 0; c < kChunks / 8; ++c)
           *reinterpret_cast<uint4*>(row + c * 128) =
@@ -261,14 +294,14 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
     }
     const uint32_t stage_off = stage * kStageBytes;
 
-    // ---- S half = Q[rows of rt, dims of dh] K^T ----
+    // ---- S part = Q[rows of rt, dims of dh] K^T ----
     float s[4][4];
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
 #pragma unroll
-    for (int ks = 0; ks < kHalfK; ++ks) {
+    for (int ks = 0; ks < kPartK; ++ks) {
 #pragma unroll
       for (int j = 0; j < 4; j += 2) {
         uint32_t bf[4];
@@ -277,19 +310,27 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
         mma16816<M>(s[j + 1], qf[ks], bf[2], bf[3]);
       }
     }
-    // Each warp keeps the 8 rows it will normalise and hands the other 8 to its partner. The
-    // halves are picked by select, not by s[j][2 * dh + e]: a register array indexed by a
+    // Each owner keeps the 8 rows it will normalise and hands the other 8 to its partner (block
+    // dh of its row tile); a further part hands over both halves (blocks 2 dh - 2 and 2 dh - 1).
+    // The halves are picked by select, not by s[j][2 * dh + e]: a register array indexed by a
     // runtime value lives in local memory (64 bytes of stack and 12 loads per tile).
-    float* part = s_part + rt * (2 * 8 * 32);
+    float* part = s_part + rt * ((2 * kParts - 2) * 8 * 32);
+    if (owner) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+      for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) part[(dh * 8 + j * 2 + e) * 32 + lane] = dh ? s[j][e] : s[j][2 + e];
+        for (int e = 0; e < 2; ++e) part[(dh * 8 + j * 2 + e) * 32 + lane] = dh ? s[j][e] : s[j][2 + e];
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) part[((2 * dh - 2 + e / 2) * 8 + j * 2 + e % 2) * 32 + lane] = s[j][e];
+    }
     __syncthreads();
 
-    // ---- online softmax: 8 warps x (8 rows x 32 keys) ----
-    bool rescaled;
-    {
+    // ---- online softmax: the owners, 2 per row tile x (8 rows x 32 keys) ----
+    bool rescaled = false;
+    if (owner) {
       const bool tree_tile = t >= pre_tiles;
       const int key0 = tree_tile ? (t - pre_tiles) * kKeys : pre_begin + t * kKeys;
       const int key_end = tree_tile ? nodes : pre_end;
@@ -300,7 +341,10 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
       for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          x[j * 2 + e] = ((dh ? s[j][2 + e] : s[j][e]) + other[(j * 2 + e) * 32 + lane]) * score_scale;
+          float sum = (dh ? s[j][2 + e] : s[j][e]) + other[(j * 2 + e) * 32 + lane];
+#pragma unroll
+          for (int q = 2; q < kParts; ++q) sum += part[((2 * q - 2 + dh) * 8 + j * 2 + e) * 32 + lane];
+          x[j * 2 + e] = sum * score_scale;
           if (key0 + j * 8 + t4 * 2 + e >= key_end) x[j * 2 + e] = -INFINITY;
         }
       if (tree_tile) {  // the ancestor mask (or the causal chain) applies to tree keys only
@@ -339,11 +383,11 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
       row_sum = row_sum * alpha + sum;
       if (t4 == 0) s_alpha[my_row] = alpha;
     }
-    // ---- O = O * alpha (only when some row's max moved) + P V, dims [64 warp, +64) ----
+    // ---- O = O * alpha (only when some row's max moved) + P V, this warp's rows and dims ----
     if (__syncthreads_or(rescaled)) {
 #pragma unroll
-      for (int i = 0; i < kRowTiles; ++i) {
-        const float a0 = s_alpha[i * 16 + g], a1 = s_alpha[i * 16 + g + 8];
+      for (int i = 0; i < kORowTiles; ++i) {
+        const float a0 = s_alpha[(o_tile0 + i) * 16 + g], a1 = s_alpha[(o_tile0 + i) * 16 + g + 8];
 #pragma unroll
         for (int j = 0; j < kNT; ++j) {
           o[i][j][0] *= a0;
@@ -355,15 +399,15 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
     }
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk) {
-      uint32_t pf[kRowTiles][4];
+      uint32_t pf[kORowTiles][4];
 #pragma unroll
-      for (int i = 0; i < kRowTiles; ++i) ldmatrix_x4(pf[i], p_lane + (i * 16 * kPStride + kk * 16) * 2);
+      for (int i = 0; i < kORowTiles; ++i) ldmatrix_x4(pf[i], p_lane + (i * 16 * kPStride + kk * 16) * 2);
 #pragma unroll
       for (int j = 0; j < kNT; j += 2) {
         uint32_t vf[4];
         ldmatrix_x4_trans(vf, v_lane + stage_off + kk * 16 * kRowPitch + j * 16);
 #pragma unroll
-        for (int i = 0; i < kRowTiles; ++i) {
+        for (int i = 0; i < kORowTiles; ++i) {
           mma16816<M>(o[i][j], pf[i], vf[0], vf[1]);
           mma16816<M>(o[i][j + 1], pf[i], vf[2], vf[3]);
         }
@@ -376,20 +420,19 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
   const bool malformed = s_req == kMalformedBatch;  // rows to write NaN, no keys (find_row_tile)
   const bool slot_cta = __syncthreads_or(bad), range_cta = Fp8 && __syncthreads_or(range_bad);
   const bool bad_cta = slot_cta || range_cta || malformed;
-  if (t4 == 0) {
-    const int r = rt * 16 + g + dh * 8;
-    s_alpha[r] = row_max;
-    s_l[r] = row_sum;
+  if (owner && t4 == 0) {
+    s_alpha[my_row] = row_max;
+    s_l[my_row] = row_sum;
   }
   __syncthreads();
   const bool direct = p.splits == 1;
   if (bad_cta && tid == 0)
     raise_guard(p.guard, malformed ? kGuardVerifyIndptr : slot_cta ? kGuardKvSlot : kGuardFp8Range);
 #pragma unroll
-  for (int i = 0; i < kRowTiles; ++i)
+  for (int i = 0; i < kORowTiles; ++i)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int r = i * 16 + g + half * 8, m = row0 + r;
+      const int r = (o_tile0 + i) * 16 + g + half * 8, m = row0 + r;
       if (m >= rows_b) continue;
       const float l = s_l[r];
       const float inv = bad_cta ? kNaN : l > 0.f ? k_scale / l : 0.f;
@@ -397,19 +440,19 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_kernel(const VerifyPa
       const int node = m / p.heads, head = m - node * p.heads;
       const int64_t grow = static_cast<int64_t>(q_begin) * p.heads + m;
       if (direct) {
-        T* dst = p.out + (q_begin + node) * p.out_st + head * p.out_sh + warp * kNT * 8 + t4 * 2;
+        T* dst = p.out + (q_begin + node) * p.out_st + head * p.out_sh + o_dim0 + t4 * 2;
 #pragma unroll
         for (int j = 0; j < kNT; ++j)
           *reinterpret_cast<uint32_t*>(dst + j * 8) =
               pack2<T>(o[i][j][half * 2] * inv, o[i][j][half * 2 + 1] * inv);
-        if (warp == 0 && t4 == 0) p.lse[(q_begin + node) * p.lse_st + head * p.lse_sh] = lse;
+        if (o_dim0 == 0 && t4 == 0) p.lse[(q_begin + node) * p.lse_st + head * p.lse_sh] = lse;
       } else {
-        float* dst = p.part_o + (split * p.rows_total + grow) * kDv + warp * kNT * 8 + t4 * 2;
+        float* dst = p.part_o + (split * p.rows_total + grow) * kDv + o_dim0 + t4 * 2;
 #pragma unroll
         for (int j = 0; j < kNT; ++j)
           *reinterpret_cast<float2*>(dst + j * 8) =
               make_float2(o[i][j][half * 2] * inv, o[i][j][half * 2 + 1] * inv);
-        if (warp == 0 && t4 == 0) p.part_lse[split * p.rows_total + grow] = lse;
+        if (o_dim0 == 0 && t4 == 0) p.part_lse[split * p.rows_total + grow] = lse;
       }
     }
 }
@@ -463,6 +506,34 @@ __global__ void __launch_bounds__(128) merge_splits_kernel(const VerifyParams<T>
 }
 
 constexpr int kMaxSplits = 64;  // merge kernel keeps one weight per split in shared memory
+
+// The portable kernel's row tile. A 48-row CTA streams its keys once per 48 rows instead of 64,
+// so it pays only where 64-row tiles pad many rows: on an H200, requests of 144 rows (16 heads x
+// 9 nodes) ran 1.08-1.14x faster on 48-row tiles, and requests that 64-row tiles fill exactly
+// 0.58-0.90x as fast. So 48 when 64-row tiles cover at least 1.2 times the rows 48-row tiles do
+// (144 rows: 192 against 144), which also means 64-row tiles pad a fifth or more. Every request
+// is taken to have T / batch nodes (SGLang pads trees to one size, as the split count assumes),
+// so the padding is the same per request as summed over the batch; unequal trees keep 64.
+// KDTREE_VERIFY_ROWS=48 or 64 forces either. Shapes only: graph-capturable.
+int portable_rows(int64_t T, int64_t H, int64_t batch) {
+  const std::optional<std::string> forced = env_setting("KDTREE_VERIFY_ROWS");
+  if (forced == "48") return Cta48::kRows;
+  if (forced == "64") return Cta64::kRows;
+  if (T % batch != 0) return Cta64::kRows;
+  const int64_t rows = T / batch * H;
+  const int64_t padded64 = ceil_div(rows, Cta64::kRows) * int64_t{Cta64::kRows};
+  const int64_t padded48 = ceil_div(rows, Cta48::kRows) * int64_t{Cta48::kRows};
+  return 5 * padded64 >= 6 * padded48 ? Cta48::kRows : Cta64::kRows;
+}
+
+template <typename C, typename T>
+void launch_portable(const VerifyParams<T>& p, bool fp8, bool idx32, dim3 grid) {
+  auto kernel = fp8 ? (idx32 ? verify_attn_kernel<C, T, int32_t, true> : verify_attn_kernel<C, T, int64_t, true>)
+                    : (idx32 ? verify_attn_kernel<C, T, int32_t, false> : verify_attn_kernel<C, T, int64_t, false>);
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
+  kernel<<<grid, C::kThreads, C::kSmemBytes, current_stream()>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
 
 bool is_fp8_pool(const at::Tensor& kv_cache) {
   return kv_cache.scalar_type() == at::kByte || kv_cache.scalar_type() == at::ScalarType::Float8_e4m3fn;
@@ -561,17 +632,18 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   if (T == 0 || batch == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
 
-  // Grid: one CTA per (request, 64-row tile) and prefix split. The tile count bound and the
+  VerifyKernel which = pick_verify_kernel(sm_scale);
+  if (fp8 && which == VerifyKernel::kWgmma) which = VerifyKernel::kPortable;  // no fp8 path there
+  const int rows = which == VerifyKernel::kPortable ? portable_rows(T, H, batch) : kRows;
+  // Grid: one CTA per (request, row tile) and prefix split. The tile count bound and the
   // split count depend only on shapes and host hints, so the launch is graph-capturable.
-  const int64_t tiles = ceil_div(T * H, kRows) + batch;
+  const int64_t tiles = ceil_div(T * H, rows) + batch;
   // Row tiles that carry work: exact when every request has T / B nodes (SGLang pads trees to
   // one size), otherwise the unpadded count.
-  const int64_t work_tiles = T % batch == 0 ? batch * ceil_div(T / batch * H, kRows) : ceil_div(T * H, kRows);
+  const int64_t work_tiles = T % batch == 0 ? batch * ceil_div(T / batch * H, rows) : ceil_div(T * H, rows);
   // Fewest waves per unit of prefix: time ~ ceil(tiles * s / slots) / s; among equals take the
   // smallest s (less to merge). Short prefixes (hint) are not cut below 256 keys per split
   // (128, one tile pair, for the seesaw kernel).
-  VerifyKernel which = pick_verify_kernel(sm_scale);
-  if (fp8 && which == VerifyKernel::kWgmma) which = VerifyKernel::kPortable;  // no fp8 path there
   const int64_t slots = num_sms(q);  // one CTA per SM (registers; shared memory on sm_90)
   // Splitting only pays while the row tiles alone leave SMs idle: each split re-reads Q and
   // writes a 2 KB partial per row.
@@ -635,12 +707,10 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
 
     const bool idx32 = kv_indices.scalar_type() == at::kInt;
     const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(splits));
-    if (which == VerifyKernel::kPortable) {
-      auto kernel = fp8 ? (idx32 ? verify_attn_kernel<T_, int32_t, true> : verify_attn_kernel<T_, int64_t, true>)
-                        : (idx32 ? verify_attn_kernel<T_, int32_t, false> : verify_attn_kernel<T_, int64_t, false>);
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-      kernel<<<grid, kThreads, kSmemBytes, current_stream()>>>(p);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (which == VerifyKernel::kPortable && rows == Cta48::kRows) {
+      launch_portable<Cta48>(p, fp8, idx32, grid);
+    } else if (which == VerifyKernel::kPortable) {
+      launch_portable<Cta64>(p, fp8, idx32, grid);
     } else {
       launch_verify_attn_sm90(which, p, idx32, grid, current_stream());
     }

@@ -185,16 +185,17 @@ __device__ __forceinline__ bool bar_or(bool v) {
 }
 constexpr float kNaN = __builtin_nanf("");
 
-// Called by one full warp: the request and first row of row tile `tile`, scanning the
-// requests' tile counts 32 at a time (req = kNoWork: the tile is past the work). Every CTA
-// also checks the whole batch's indptrs, which is what makes the casts to int below safe: req =
-// kMalformedBatch when qo_indptr does not run from 0 to T without decreasing, kv_indptr does
-// not run from 0 to at most len(kv_indices) without decreasing, or a request has more nodes
-// than tree_mask's words hold. Such a CTA takes rows [64 tile, 64 tile + 64) of the flattened
-// T x H output as a request without keys (cta_span) and its epilogue writes them NaN: every
-// output row is defined, through the kernels' own write path.
+// Called by one full warp: the request and first row of row tile `tile` of Rows rows (the
+// portable kernel also runs 48-row tiles), scanning the requests' tile counts 32 at a time
+// (req = kNoWork: the tile is past the work). Every CTA also checks the whole batch's indptrs,
+// which is what makes the casts to int below safe: req = kMalformedBatch when qo_indptr does
+// not run from 0 to T without decreasing, kv_indptr does not run from 0 to at most
+// len(kv_indices) without decreasing, or a request has more nodes than tree_mask's words hold.
+// Such a CTA takes rows [Rows tile, Rows tile + Rows) of the flattened T x H output as a
+// request without keys (cta_span) and its epilogue writes them NaN: every output row is
+// defined, through the kernels' own write path.
 constexpr int kNoWork = -1, kMalformedBatch = -2;
-template <typename T>
+template <typename T, int Rows = kRows>
 __device__ __forceinline__ void find_row_tile(const VerifyParams<T>& p, int tile, int lane, int& req, int& row0) {
   int base = 0;
   req = kNoWork;
@@ -210,7 +211,7 @@ __device__ __forceinline__ void find_row_tile(const VerifyParams<T>& p, int tile
              (p.mask != nullptr && q1 - q0 > 32 * static_cast<int64_t>(p.mask_words));
       if (!bad) n = static_cast<int>(q1 - q0) * p.heads;
     }
-    const int cnt = (n + kRows - 1) / kRows;
+    const int cnt = (n + Rows - 1) / Rows;
     const int incl = warp_inclusive_scan(cnt);
     const int excl = base + incl - cnt;
     const bool mine = b < p.batch && tile >= excl && tile < excl + cnt;
@@ -218,13 +219,13 @@ __device__ __forceinline__ void find_row_tile(const VerifyParams<T>& p, int tile
     if (who) {
       const int src = __ffs(who) - 1;
       req = __shfl_sync(0xffffffffu, b, src);
-      row0 = (tile - __shfl_sync(0xffffffffu, excl, src)) * kRows;
+      row0 = (tile - __shfl_sync(0xffffffffu, excl, src)) * Rows;
     }
     base += __shfl_sync(0xffffffffu, incl, 31);
   }
   if (__any_sync(0xffffffffu, bad)) {
     req = kMalformedBatch;
-    row0 = tile * kRows;
+    row0 = tile * Rows;
   }
 }
 
