@@ -3119,6 +3119,17 @@ GUARD_SLOT, GUARD_INDPTR, GUARD_MASK = (kdtree_ops.GUARDS[i] for i in range(3))
 GUARD_FP8 = kdtree_ops.GUARDS[4]
 
 
+def test_guard_names_follow_the_cuda_enum():
+    """kdtree_ops.GUARDS names the guard words in the order of common.cuh's Guard enum, each
+    entry naming the op its enumerator's comment names (guard_errors() indexes GUARDS by word)."""
+    source = (kdtree_ops.SRC_DIR / "common.cuh").read_text()
+    enum = source[source.index("enum Guard : int {"):source.index("kGuardCount")]
+    ops = re.findall(r"^\s*kGuard\w+(?: = 0)?,\s*// ([a-z_0-9]+)", enum, re.MULTILINE)
+    assert len(ops) == len(kdtree_ops.GUARDS), (ops, kdtree_ops.GUARDS)
+    for op, name in zip(ops, kdtree_ops.GUARDS):
+        assert f"({op}" in name, (op, name)
+
+
 def poisoned_requests(out, lse, qo_indptr, bad):
     """Rows of requests in `bad` are NaN in out and lse; every other row is finite."""
     qo = qo_indptr.tolist()
