@@ -784,13 +784,17 @@ def _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tr
 def _check_k_scale(k_scale, k_scale_value, kv_cache, q):
     """The op's two scale arguments: a tensor (read on the device) or a host float, and only
     for an fp8 kv_cache (a bf16/fp16 pool holds unscaled rows; 1.0 is the value's default)."""
-    _check(kv_cache.dtype in _FP8_KV_DTYPES or (k_scale is None and k_scale_value == 1.0),
-           lambda: f"kdtree: k_scale applies to an fp8 kv_cache only (kv_cache is {kv_cache.dtype})")
+    _check_scale_has_fp8_pool(k_scale is not None or k_scale_value != 1.0, kv_cache)
     if k_scale is not None:
         _check(k_scale.dtype == torch.float32 and k_scale.dim() <= 1 and k_scale.numel() == 1,
                lambda: f"kdtree: k_scale must be a float32 tensor of one element, got {k_scale.dtype} {tuple(k_scale.shape)}")
     if isinstance(k_scale_value, float):  # a traced SymFloat is checked when the call runs eagerly
         _check(k_scale_usable(k_scale_value), lambda: f"kdtree: {_K_SCALE_RULE}, got {k_scale_value}")
+
+
+def _check_scale_has_fp8_pool(scale_given: bool, kv_cache):
+    _check(not scale_given or kv_cache.dtype in _FP8_KV_DTYPES,
+           lambda: f"kdtree: k_scale applies to an fp8 kv_cache only (kv_cache is {kv_cache.dtype})")
 
 
 # The CUDA kernels divide by k_scale in float32 (tree rows into the pool's units).
@@ -815,8 +819,7 @@ def _k_scale_op_args(k_scale, kv_cache):
     if _eager() and k_scale is not None:
         _check(isinstance(k_scale, (torch.Tensor, float, int)) and not isinstance(k_scale, bool),
                lambda: f"kdtree: k_scale must be None, a float or a float32 tensor of one element, got {type(k_scale).__name__}")
-        _check(kv_cache.dtype in _FP8_KV_DTYPES,
-               lambda: f"kdtree: k_scale applies to an fp8 kv_cache only (kv_cache is {kv_cache.dtype})")
+        _check_scale_has_fp8_pool(True, kv_cache)
     if isinstance(k_scale, torch.Tensor):
         return k_scale, 1.0
     if isinstance(k_scale, int):
