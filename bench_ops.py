@@ -169,14 +169,18 @@ VERIFY_BENCH = [  # (batch, heads, nodes, context)
 ]
 
 
-def sglang_verify(case, N):
+def sglang_verify(case, N, kv_cache=None, k_scale: float = 1.0):
     """SGLang 0.5.23's TARGET_VERIFY call for MLA: extend_attention_fwd with the flat mask (the
-    same call the main job times)."""
+    same call the main job times), over the case's pool or ``kv_cache`` (an fp8 pool with its
+    ``k_scale``)."""
     flat, mask_indptr = sglang_flat_mask(case)
     T, H, _ = case["q"].shape
     o = torch.empty(T, H, 512, device="cuda", dtype=case["q"].dtype)
-    return sglang_extend_attention(*verify_args(case)[:6], flat.cuda(), mask_indptr.cuda(), N,
-                                               case["sm_scale"], o)
+    args = verify_args(case)
+    if kv_cache is not None:
+        args[1] = kv_cache
+    return sglang_extend_attention(*args[:6], flat.cuda(), mask_indptr.cuda(), N, case["sm_scale"], o,
+                                   k_scale=k_scale)
 
 
 @pytest.mark.parametrize("B,H,N,ctx", VERIFY_BENCH)
@@ -226,12 +230,6 @@ FP8_K_SCALE = 0.5  # the pool holds kv / 0.5 in e4m3, as SGLang stores k / layer
 COLD_BYTES = 240e6  # a cold run rotates over at least this many bytes of prefix rows per pool (L2: 50-60 MB)
 
 
-def fp8_pool(kv_cache: torch.Tensor, k_scale: float) -> torch.Tensor:
-    """kv_cache's rows as SGLang's fp8 MLA pool stores them: kv / k_scale rounded to e4m3, as
-    uint8 bytes (the slots no request uses hold NaN bytes, as in the bf16 pool)."""
-    return (kv_cache.float() / k_scale).to(torch.float8_e4m3fn).view(torch.uint8)
-
-
 class Fp8VerifySet:
     """One verify batch three ways: ours on the bf16 pool, ours on the same rows quantized
     to an fp8 pool, SGLang's Triton extend_attention_fwd on that fp8 pool with k/v descale
@@ -240,15 +238,10 @@ class Fp8VerifySet:
     def __init__(self, B, H, N, ctx, seed):
         case = make_verify_case([ctx] * B, [N] * B, H, seed=seed)
         self.case, self.ctx = case, ctx
-        self.kv8 = fp8_pool(case["kv_cache"], FP8_K_SCALE)
+        self.kv8 = testkit.e4m3_bytes(case["kv_cache"], FP8_K_SCALE)  # unused slots: NaN bytes, as in the bf16 pool
         self.out = torch.empty(B * N, H, MLA_V_DIM, device="cuda", dtype=torch.bfloat16)
         self.lse = torch.empty(B * N, H, device="cuda")
-        self.sg_out = torch.empty_like(self.out)
-        flat, mask_indptr = sglang_flat_mask(case)
-        args = verify_args(case)
-        args[1] = self.kv8
-        self.sglang = sglang_extend_attention(*args[:6], flat.cuda(), mask_indptr.cuda(), N, case["sm_scale"],
-                                              self.sg_out, k_scale=FP8_K_SCALE)
+        self.sglang = sglang_verify(case, N, self.kv8, FP8_K_SCALE)
 
     def ours(self, fp8: bool):
         c = self.case

@@ -935,7 +935,7 @@ def fp8_pool(case, storage, k_scale: float, *, source="float", seed=None):
     kv = case["kv_cache"]
     rows = kv.reshape(kv.shape[0], kdtree_ops.MLA_QK_DIM)
     if source == "float":
-        codes = (rows.float() / k_scale).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+        codes = testkit.e4m3_bytes(rows, k_scale)
     else:
         g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
         codes = E4M3_CODES[torch.randint(0, len(E4M3_CODES), rows.shape, generator=g)].to(kv.device)

@@ -200,6 +200,12 @@ def assert_verify_close(out, lse, case, tol=1e-2):
     assert torch.allclose(lse[~inf].double(), ref_lse[~inf], atol=2e-3, rtol=1e-4)
 
 
+def e4m3_bytes(rows: torch.Tensor, k_scale: float) -> torch.Tensor:
+    """``rows`` as SGLang's fp8 pool stores them (k / k_scale rounded to e4m3, as uint8 bytes),
+    saturating at e4m3's +-448; NaN rows stay NaN."""
+    return (rows.float() / k_scale).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
 def sglang_flat_mask(case):
     """SGLang's TARGET_VERIFY custom mask: per request nodes x (prefix + nodes), row-major."""
     qo, kvp = case["qo_indptr"].tolist(), case["kv_indptr"].tolist()
