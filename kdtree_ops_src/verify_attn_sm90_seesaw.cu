@@ -483,7 +483,6 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
       named_sync(kBarSum);  // every thread's part of Q, and every read of s_peak
     }
     const float c = Fp8 ? p.scale_log2 * (k_scale / q_factor) : p.scale_log2;  // > 0 (the host sends other scales elsewhere)
-    const float out_scale = k_scale;
     const int unmasked_end = min(prefix, key_end);  // tiles below need no mask
 
     auto tree_visible = [&](const int32_t* mrow, int node, int j) {
@@ -732,7 +731,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
       const int r = half ? rB : rA, m = row0 + r;
       if (m >= rows_b) continue;
       const float l = s_sum[r] + s_sum[kRows + r], mx = half ? runB : runA;
-      const float inv = bad ? kNaN : l > 0.f ? out_scale / l : 0.f;
+      const float inv = bad ? kNaN : l > 0.f ? k_scale / l : 0.f;
       const int node = m / p.heads, head = m - node * p.heads;
       if (direct) {
         T* dst = p.out + (q_begin + node) * p.out_st + head * p.out_sh + wg * 256 + t4 * 2;
