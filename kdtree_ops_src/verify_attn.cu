@@ -273,24 +273,26 @@ __global__ void __launch_bounds__(C::kThreads, 1) verify_attn_kernel(const Verif
   for (int t = 0; t < n_tiles; ++t) {
     const int stage = t & 1;
     cp_async_wait<0>();
-    __syncthreads();  // tile t and slots(t+1) visible; iteration t-1 finished with its buffers
-    if (t + 1 < n_tiles) {
-      if (warp == 0) load_slots(t + 2);
-      load_tile(t + 1, stage ^ 1);
-    }
-    if (Fp8) {  // this thread's own copies of tile t -> f16 in place (the same chunks either way)
+    // fp8 pool: this thread's own copies of tile t -> f16 in place (the same chunks either
+    // way), before the barrier that publishes the tile: right behind the previous tile's
+    // P V mma, which run on while these conversions issue, and with no barrier of their own.
+    if (Fp8 && copier) {
       uint8_t* row = s_kv + stage * kStageBytes + own_row * kRowPitch + (lane & 7) * 16;
-      if (copier && t < pre_tiles) {
+      if (t < pre_tiles) {
 #pragma unroll
         for (int c = 0; c < kChunks / 8; ++c)
           *reinterpret_cast<uint4*>(row + c * 128) = widen_e4m3x8(*reinterpret_cast<const uint2*>(row + c * 128));
-      } else if (copier) {
+      } else {
 #pragma unroll
         for (int c = 0; c < kChunks / 8; ++c)
           *reinterpret_cast<uint4*>(row + c * 128) =
               to_f16x8<T>(*reinterpret_cast<const uint4*>(row + c * 128), tree_to_pool, range_bad);
       }
-      __syncthreads();  // the converted rows, for every warp
+    }
+    __syncthreads();  // tile t and slots(t+1) visible; iteration t-1 finished with its buffers
+    if (t + 1 < n_tiles) {
+      if (warp == 0) load_slots(t + 2);
+      load_tile(t + 1, stage ^ 1);
     }
     const uint32_t stage_off = stage * kStageBytes;
 
