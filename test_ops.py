@@ -456,7 +456,7 @@ def _draft_kw(device):
 
 def _fp8_kv(kw, **change):
     """The case's pool as e4m3 bytes (SGLang's fp8 pool), and ``change``."""
-    return dict(kv_cache=kw["kv_cache"].float().clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8), **change)
+    return dict(kv_cache=testkit.e4m3_bytes(kw["kv_cache"], 1.0), **change)
 
 
 NAN_ROWS = "the kernel flags the error on the device and writes NaN rows"
@@ -1207,7 +1207,7 @@ def test_verify_attn_cuda_long_context_and_big_pool(pool):
         slots = case["kv_indices"].long()
         rows = case.pop("kv_cache")[slots]
         pool8 = torch.full((S, 576), 0x7F, dtype=torch.uint8, device="cuda")
-        pool8[slots] = (rows.float() / 0.37).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+        pool8[slots] = testkit.e4m3_bytes(rows, 0.37)
         scale = torch.tensor([0.37], device="cuda")
         kw, case = {"k_scale": scale}, dict(case, kv_cache=pool8)
         ref = dict(case, kv_cache=dequantized(pool8[slots], scale, torch.float64),
