@@ -971,11 +971,12 @@ def verify_attn(
 
     On CUDA a Hopper kernel serves sm_90 (``KDTREE_VERIFY_WGMMA=0`` and
     ``KDTREE_VERIFY_SEESAW=0`` pick the others: README.md's table), and the portable kernel every
-    other GPU. Its CTAs take 64 or 48 (node, head) rows of a request: 48 when T is a multiple of
-    the batch size B and, for requests of T / B nodes, 64-row tiles would cover at least 1.2 times
-    the rows 48-row ones do (16 heads x 9 nodes: 192 rows against 144); the shapes alone decide.
-    ``KDTREE_VERIFY_ROWS=48`` or ``64`` forces either. Each variable is read at every call, so
-    also when a CUDA graph is captured.
+    other GPU. Its CTAs take 64, 48 or 16 (node, head) rows of a request. When T is a multiple of
+    the batch size B, requests of T / B nodes take 16 if they have at most 16 rows (16 heads x 1
+    node), else 48 if 64-row tiles would cover at least 1.2 times the rows 48-row ones do (16
+    heads x 9 nodes: 192 rows against 144); otherwise 64. The shapes alone decide.
+    ``KDTREE_VERIFY_ROWS=16``, ``48`` or ``64`` forces one. Each variable is read at every call,
+    so also when a CUDA graph is captured.
 
     Parameters
     ----------

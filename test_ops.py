@@ -1017,6 +1017,7 @@ VERIFY_KERNEL_ENV = {
     "wgmma": {"KDTREE_VERIFY_SEESAW": "0"},
     "portable": {"KDTREE_VERIFY_WGMMA": "0", "KDTREE_VERIFY_ROWS": "64"},
     "portable48": {"KDTREE_VERIFY_WGMMA": "0", "KDTREE_VERIFY_ROWS": "48"},
+    "portable16": {"KDTREE_VERIFY_WGMMA": "0", "KDTREE_VERIFY_ROWS": "16"},
 }
 
 
@@ -1137,20 +1138,29 @@ def test_verify_attn_cuda_nonpositive_scale(verify_kernel, sm_scale):
     (16, [257], "64"),  # 4112 rows: 64-row tiles cover 4160, 48-row ones 4128
     (10, [10], "64"),  # 100 rows: 48-row tiles would pad more (144)
     (16, [9, 9, 8], "64"),  # T not a multiple of the batch: request sizes unknown to the host
+    (16, [1] * 5, "16"),  # 16 rows
+    (8, [2] * 3, "16"),
+    (5, [3], "16"),  # 15 rows
+    (17, [1] * 2, "48"),  # 17 rows: 64-row tiles cover 64, 48-row ones 48
+    (16, [1, 1, 2], "64"),  # unequal trees
 ])
 def test_verify_attn_cuda_portable_row_tile_choice(heads, node_counts, want, monkeypatch):
     """Unforced, the portable kernel serves a shape exactly as the row tile the rule picks:
-    48-row tiles where 64-row ones pad a fifth or more and 48-row ones pad less. The two row
-    tiles sum S in different orders, so their lse differ in low bits."""
+    16-row tiles for requests of at most 16 rows, else 48-row tiles where 64-row ones pad a
+    fifth or more and 48-row ones pad less. Which CTA shape ran is read off the launched
+    kernel's name (16- and 48-row CTAs compute a row in the same order, so outputs alone
+    cannot tell them apart)."""
     case = make_verify_case([1000] * len(node_counts), node_counts, heads)
     monkeypatch.setenv("KDTREE_VERIFY_WGMMA", "0")
-    served = {}
-    for rows in ("", "48", "64"):
+    served, ctas = {}, {}
+    for rows in ("", "16", "48", "64"):
         monkeypatch.setenv("KDTREE_VERIFY_ROWS", rows)
-        served[rows] = kdtree_ops.verify_attn(*verify_args(case), max_kv_len=1000)
-    other = "64" if want == "48" else "48"
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            served[rows] = kdtree_ops.verify_attn(*verify_args(case), max_kv_len=1000)
+            torch.cuda.synchronize()
+        ctas[rows] = {m for e in prof.events() for m in re.findall(r"Cta<(\d+),", e.name)}
+    assert ctas[""] == {want} and all(ctas[r] == {r} for r in ("16", "48", "64")), ctas
     assert all(torch.equal(a, b) for a, b in zip(served[""], served[want]))
-    assert not torch.equal(served[""][1], served[other][1])
     assert_verify_close(*served[""], case)
 
 

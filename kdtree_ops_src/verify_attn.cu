@@ -18,11 +18,16 @@
 // softmax as in the 64-row CTA) and rows 16*rt.. x dims [128 dh, +128) for O. It re-reads the
 // prefix once per 48 rows instead of 64, so the launcher takes it only where 64-row tiles pad
 // enough rows (portable_rows).
+// A request of at most 16 rows (16 heads x 1 node) takes a 16-row CTA: the 48-row CTA's warps
+// of one row tile (4 warps, each copying 8 rows of a KV tile in two passes), two per SM on
+// sm_90 where the others run one.
 //
 // On sm_90 (H100/H200) a Hopper kernel takes the same CTAs instead (verify_attn_sm90_seesaw.cu;
 // verify_attn_sm90.cu).
 #include "verify_attn.cuh"
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 
 namespace kdtree {
@@ -36,7 +41,8 @@ constexpr int kRowPitch = kRowBytes + 16;
 constexpr int kStageBytes = kKeys * kRowPitch;
 constexpr int kPStride = kKeys + 8;  // padded P row (bf16)
 constexpr int kSmemKV = 2 * kStageBytes;
-// Warps that copy (and, over an fp8 pool, widen) a KV tile: one pass of 4 rows x 8 lanes each.
+// Warps that copy (and, over an fp8 pool, widen) a KV tile: one pass of 4 rows x 8 lanes each
+// (a CTA of fewer warps makes more passes).
 constexpr int kCopyWarps = kKeys / 4;
 static_assert(kChunks % 8 == 0, "copy_rows: 8 lanes per row");
 
@@ -45,6 +51,8 @@ static_assert(kChunks % 8 == 0, "copy_rows: 8 lanes per row");
 template <int Rows, int DimParts, int DimGroups> struct Cta {
   static constexpr int kRows = Rows, kRowTiles = Rows / 16, kParts = DimParts;
   static constexpr int kWarps = kRowTiles * DimParts, kThreads = kWarps * 32;
+  static constexpr int kCopiers = kWarps < kCopyWarps ? kWarps : kCopyWarps;  // warps that copy a KV tile
+  static constexpr int kCopyRows = kKeys / kCopiers;                          // its rows per copying warp
   static constexpr int kPartK = kDqk / DimParts / 16;              // k-steps per dim part
   static constexpr int kRowGroups = kWarps / DimGroups;            // O: warps per dim range
   static constexpr int kORowTiles = kRowTiles / kRowGroups;        // O: row tiles per warp
@@ -56,11 +64,12 @@ template <int Rows, int DimParts, int DimGroups> struct Cta {
   static constexpr int kSmemBytes = kSmemKV + kSmemS + kSmemP + 2 * kRows * 4;
   static_assert(kSmemBytes <= 99 * 1024 - 1024, "must fit sm_120's 99 KB per block (static shared memory too)");
   static_assert(kRows * kRowPitch <= kSmemKV, "Q is staged through the KV buffers");
-  static_assert(kWarps >= kCopyWarps && kRows / kWarps % 4 == 0, "copy_rows: 4 rows x 8 lanes per pass");
+  static_assert(kCopyRows % 4 == 0 && kRows / kWarps % 4 == 0, "copy_rows: 4 rows x 8 lanes per pass");
   static_assert(kPartK * DimParts * 16 == kDqk && kORowTiles * kRowGroups == kRowTiles && kNT % 2 == 0);
 };
 using Cta64 = Cta<64, 2, 8>;
 using Cta48 = Cta<48, 4, 4>;
+using Cta16 = Cta<16, 4, 4>;  // requests of up to 16 rows: Cta48's warps of one row tile
 static_assert(Cta64::kRows == kRows, "the Hopper kernels' row tile");
 
 template <typename Idx>
@@ -120,10 +129,10 @@ __global__ void __launch_bounds__(C::kThreads, 1) verify_attn_kernel(const Verif
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
-  // Whether this warp copies KV tiles, and the row it copies (and, over an fp8 pool,
-  // converts): see copy_rows.
-  const bool copier = kWarps == kCopyWarps || warp < kCopyWarps;
-  const int own_row = warp * 4 + (lane >> 3);
+  // Whether this warp copies KV tiles, and the first row it copies (and, over an fp8 pool,
+  // converts), then every 4th of its C::kCopyRows: see copy_rows.
+  const bool copier = C::kCopiers == kWarps || warp < C::kCopiers;
+  const int own_row0 = warp * C::kCopyRows + (lane >> 3);
 
   // ---- which request and which rows: scan the per-request tile counts ----
   if (warp == 0) {
@@ -229,20 +238,24 @@ __global__ void __launch_bounds__(C::kThreads, 1) verify_attn_kernel(const Verif
         // c's 8 bytes is the one that widens them in place, so no other thread's data is
         // overwritten and no extra barrier is needed.
         const int first = pre_begin + t * kKeys;
-        const bool valid = first + own_row < pre_end;
-        const uint8_t* src = p.kv8 + (lane & 7) * 8;
-        if (valid) src += static_cast<int64_t>(checked_slot(p, slots[own_row], bad)) * p.kv_stride;
-        const uint32_t d = smem_addr(s_kv + stage * kStageBytes + own_row * kRowPitch) + (lane & 7) * 16;
 #pragma unroll
-        for (int c = 0; c < kChunks / 8; ++c) cp_async8(d + c * 128, src + c * 64, valid);
+        for (int i = 0; i < C::kCopyRows; i += 4) {
+          const int own_row = own_row0 + i;
+          const bool valid = first + own_row < pre_end;
+          const uint8_t* src = p.kv8 + (lane & 7) * 8;
+          if (valid) src += static_cast<int64_t>(checked_slot(p, slots[own_row], bad)) * p.kv_stride;
+          const uint32_t d = smem_addr(s_kv + stage * kStageBytes + own_row * kRowPitch) + (lane & 7) * 16;
+#pragma unroll
+          for (int c = 0; c < kChunks / 8; ++c) cp_async8(d + c * 128, src + c * 64, valid);
+        }
       } else if (t < pre_tiles) {
         const int first = pre_begin + t * kKeys;
-        copy_rows(s_kv + stage * kStageBytes, kKeys / kCopyWarps, [&](int k) -> const T* {
+        copy_rows(s_kv + stage * kStageBytes, C::kCopyRows, [&](int k) -> const T* {
           return first + k < pre_end ? p.kv + static_cast<int64_t>(checked_slot(p, slots[k], bad)) * p.kv_stride : nullptr;
         });
       } else {
         const int first = (t - pre_tiles) * kKeys;
-        copy_rows(s_kv + stage * kStageBytes, kKeys / kCopyWarps, [&](int k) -> const T* {
+        copy_rows(s_kv + stage * kStageBytes, C::kCopyRows, [&](int k) -> const T* {
           return first + k < nodes ? p.tree_k + static_cast<int64_t>(q_begin + first + k) * p.tk_stride : nullptr;
         });
       }
@@ -277,16 +290,19 @@ __global__ void __launch_bounds__(C::kThreads, 1) verify_attn_kernel(const Verif
     // way), before the barrier that publishes the tile: right behind the previous tile's
     // P V mma, which run on while these conversions issue, and with no barrier of their own.
     if (Fp8 && copier) {
-      uint8_t* row = s_kv + stage * kStageBytes + own_row * kRowPitch + (lane & 7) * 16;
-      if (t < pre_tiles) {
 #pragma unroll
-        for (int c = 0; c < kChunks / 8; ++c)
-          *reinterpret_cast<uint4*>(row + c * 128) = widen_e4m3x8(*reinterpret_cast<const uint2*>(row + c * 128));
-      } else {
+      for (int i = 0; i < C::kCopyRows; i += 4) {
+        uint8_t* row = s_kv + stage * kStageBytes + (own_row0 + i) * kRowPitch + (lane & 7) * 16;
+        if (t < pre_tiles) {
 #pragma unroll
-        for (int c = 0; c < kChunks / 8; ++c)
-          *reinterpret_cast<uint4*>(row + c * 128) =
-              to_f16x8<T>(*reinterpret_cast<const uint4*>(row + c * 128), tree_to_pool, range_bad);
+          for (int c = 0; c < kChunks / 8; ++c)
+            *reinterpret_cast<uint4*>(row + c * 128) = widen_e4m3x8(*reinterpret_cast<const uint2*>(row + c * 128));
+        } else {
+#pragma unroll
+          for (int c = 0; c < kChunks / 8; ++c)
+            *reinterpret_cast<uint4*>(row + c * 128) =
+                to_f16x8<T>(*reinterpret_cast<const uint4*>(row + c * 128), tree_to_pool, range_bad);
+        }
       }
     }
     __syncthreads();  // tile t and slots(t+1) visible; iteration t-1 finished with its buffers
@@ -513,19 +529,41 @@ constexpr int kMaxSplits = 64;  // merge kernel keeps one weight per split in sh
 // so it pays only where 64-row tiles pad many rows: on an H200, requests of 144 rows (16 heads x
 // 9 nodes) ran 1.08-1.14x faster on 48-row tiles, and requests that 64-row tiles fill exactly
 // 0.58-0.90x as fast. So 48 when 64-row tiles cover at least 1.2 times the rows 48-row tiles do
-// (144 rows: 192 against 144), which also means 64-row tiles pad a fifth or more. Every request
+// (144 rows: 192 against 144), which also means 64-row tiles pad a fifth or more. A request of
+// at most 16 rows (16 heads x 1 node, 8 heads x 2) takes a 16-row CTA: any other pads two
+// thirds of its tensor-core work or more, and it still streams its keys once. Every request
 // is taken to have T / batch nodes (SGLang pads trees to one size, as the split count assumes),
 // so the padding is the same per request as summed over the batch; unequal trees keep 64.
-// KDTREE_VERIFY_ROWS=48 or 64 forces either. Shapes only: graph-capturable.
+// KDTREE_VERIFY_ROWS=16, 48 or 64 forces one. Shapes only: graph-capturable.
 int portable_rows(int64_t T, int64_t H, int64_t batch) {
   const std::optional<std::string> forced = env_setting("KDTREE_VERIFY_ROWS");
+  if (forced == "16") return Cta16::kRows;
   if (forced == "48") return Cta48::kRows;
   if (forced == "64") return Cta64::kRows;
   if (T % batch != 0) return Cta64::kRows;
   const int64_t rows = T / batch * H;
+  if (rows <= Cta16::kRows) return Cta16::kRows;
   const int64_t padded64 = ceil_div(rows, Cta64::kRows) * int64_t{Cta64::kRows};
   const int64_t padded48 = ceil_div(rows, Cta48::kRows) * int64_t{Cta48::kRows};
   return 5 * padded64 >= 6 * padded48 ? Cta48::kRows : Cta64::kRows;
+}
+
+// CTAs of shape C one SM runs at once, as its registers and shared memory allow (16-row CTAs:
+// two on an H200, one on sm_120; the others one). Asked of the variant with the most static
+// shared memory (int64 slots), once per device. No stream work: graph-capturable.
+template <typename C>
+int64_t portable_ctas_per_sm(const at::Tensor& on) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> known[kMaxDevices] = {};
+  const int dev = on.get_device();
+  if (dev < kMaxDevices && known[dev] > 0) return known[dev];
+  auto kernel = verify_attn_kernel<C, __nv_bfloat16, int64_t, true>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
+  int ctas = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, C::kThreads, C::kSmemBytes));
+  ctas = std::max(ctas, 1);
+  if (dev < kMaxDevices) known[dev] = ctas;
+  return ctas;
 }
 
 template <typename C, typename T>
@@ -646,7 +684,8 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   // Fewest waves per unit of prefix: time ~ ceil(tiles * s / slots) / s; among equals take the
   // smallest s (less to merge). Short prefixes (hint) are not cut below 256 keys per split
   // (128, one tile pair, for the seesaw kernel).
-  const int64_t slots = num_sms(q);  // one CTA per SM (registers; shared memory on sm_90)
+  // One CTA per SM (registers; shared memory on sm_90), but for 16-row CTAs.
+  const int64_t slots = num_sms(q) * (rows == Cta16::kRows ? portable_ctas_per_sm<Cta16>(q) : 1);
   // Splitting only pays while the row tiles alone leave SMs idle: each split re-reads Q and
   // writes a 2 KB partial per row.
   int64_t max_split = std::min<int64_t>(kMaxSplits, (2 * slots + work_tiles - 1) / work_tiles);
@@ -711,6 +750,8 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
     const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(splits));
     if (which == VerifyKernel::kPortable && rows == Cta48::kRows) {
       launch_portable<Cta48>(p, fp8, idx32, grid);
+    } else if (which == VerifyKernel::kPortable && rows == Cta16::kRows) {
+      launch_portable<Cta16>(p, fp8, idx32, grid);
     } else if (which == VerifyKernel::kPortable) {
       launch_portable<Cta64>(p, fp8, idx32, grid);
     } else {
