@@ -1013,7 +1013,9 @@ VERIFY_GRID = [  # (prefix lens, node counts, heads)
 # The kernels verify_attn chooses from on an H100/H200 (sm_90); on any other GPU the first two
 # settings run the portable kernel with the row tile the shape picks.
 VERIFY_KERNEL_ENV = {
-    "seesaw": {},
+    # 64-row tiles keep the seesaw kernel on the small fp8 requests it would hand to the
+    # portable kernel's 16-row CTA (test_verify_attn_cuda_sm90_kernel_choice).
+    "seesaw": {"KDTREE_VERIFY_ROWS": "64"},
     "wgmma": {"KDTREE_VERIFY_SEESAW": "0"},
     "portable": {"KDTREE_VERIFY_WGMMA": "0", "KDTREE_VERIFY_ROWS": "64"},
     "portable48": {"KDTREE_VERIFY_WGMMA": "0", "KDTREE_VERIFY_ROWS": "48"},
@@ -1158,10 +1160,41 @@ def test_verify_attn_cuda_portable_row_tile_choice(heads, node_counts, want, mon
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             served[rows] = kdtree_ops.verify_attn(*verify_args(case), max_kv_len=1000)
             torch.cuda.synchronize()
-        ctas[rows] = {m for e in prof.events() for m in re.findall(r"Cta<(\d+),", e.name)}
+        ctas[rows] = served_verify_kernels(prof)
     assert ctas[""] == {want} and all(ctas[r] == {r} for r in ("16", "48", "64")), ctas
     assert all(torch.equal(a, b) for a, b in zip(served[""], served[want]))
     assert_verify_close(*served[""], case)
+
+
+def served_verify_kernels(prof) -> set:
+    """Which verify kernels a profiled call launched: "seesaw", or the portable CTA's rows."""
+    names = [e.name for e in prof.events()]
+    return {m for n in names for m in re.findall(r"Cta<(\d+),", n)} | {"seesaw" for n in names if "seesaw" in n}
+
+
+@pytest.mark.skipif(not GPU or torch.cuda.get_device_capability() != (9, 0), reason="the Hopper kernels serve sm_90 only")
+@pytest.mark.parametrize("heads,node_counts,pool,rows,want", [
+    (16, [1] * 3, "uint8", "", "16"),  # 16 rows over an fp8 pool: the portable 16-row CTA
+    (8, [2] * 2, "float8_e4m3fn", "", "16"),
+    (5, [3], "uint8", "", "16"),
+    (16, [1] * 3, "q_dtype", "", "seesaw"),  # a bf16 pool stays on the seesaw kernel
+    (17, [1] * 2, "uint8", "", "seesaw"),  # 17 rows
+    (16, [1, 1, 2], "uint8", "", "seesaw"),  # unequal trees: request sizes unknown to the host
+    (16, [1] * 3, "uint8", "64", "seesaw"),  # forced 64-row tiles keep the Hopper kernel
+    (16, [1] * 3, "uint8", "48", "seesaw"),
+])
+def test_verify_attn_cuda_sm90_kernel_choice(heads, node_counts, pool, rows, want, monkeypatch):
+    """Unforced on an H100/H200, the seesaw kernel serves every request but those of at most
+    16 rows over an fp8 pool, which the portable kernel's 16-row CTA serves."""
+    for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("KDTREE_VERIFY_ROWS", rows)
+    case, kw, ref = with_pool(make_verify_case([1000] * len(node_counts), node_counts, heads), pool)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out, lse = kdtree_ops.verify_attn(*verify_args(case), max_kv_len=1000, **kw)
+        torch.cuda.synchronize()
+    assert served_verify_kernels(prof) == {want}
+    assert_verify_close(out, lse, ref)
 
 
 INDPTR_DTYPES = list(itertools.product([torch.int32, torch.int64], repeat=2))  # (kv_indptr, qo_indptr)
