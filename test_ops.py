@@ -1262,6 +1262,17 @@ def test_verify_attn_cuda_long_context_and_big_pool(pool):
 
 
 @needs_gpu
+@pytest.mark.parametrize("pool", ["q_dtype", "uint8"])
+@pytest.mark.parametrize("heads,nodes", [(16, 1), (8, 8)])  # one 16-row tile; one 64-row tile
+def test_verify_attn_cuda_one_row_tile_many_splits(verify_kernel, pool, heads, nodes):
+    """A single request of one row tile over a long prefix is cut into as many splits as the
+    GPU has CTA slots (132-264 on an H200, past the 64 of old), then merged exactly."""
+    case, kw, ref = with_pool(make_verify_case([70001], [nodes], heads), pool)
+    out, lse = kdtree_ops.verify_attn(*verify_args(case), max_kv_len=70001, **kw)
+    assert_verify_close(out, lse, ref)
+
+
+@needs_gpu
 def test_verify_attn_out_writes_strided_buffer():
     """SGLang's output buffer is o = q.new_empty(T, H*512), viewed as [T, H, 512]."""
     case = make_verify_case([200, 33], [9, 9], 16)

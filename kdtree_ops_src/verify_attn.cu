@@ -475,13 +475,21 @@ __global__ void __launch_bounds__(C::kThreads, 1) verify_attn_kernel(const Verif
     }
 }
 
-// One block per (t, h) row: merge the splits' partials by log-sum-exp.
+// Enough splits for one row tile to fill an H200 twice (16-row CTAs run two per SM).
+constexpr int64_t kMaxSplits = 256;
+
+// Blocks (t, h) row x dim part: merge the splits' partials by log-sum-exp. gridDim.y = parts
+// in {1, 2, 4, 8, 16}: a block merges 512 / parts dims with parts streams of threads, each
+// stream taking every parts-th batch of splits. Rows of few requests need the parts: 16 rows
+// over 256 splits are 8 MB of partials, which 16 blocks read too few at a time.
 template <typename T>
 __global__ void __launch_bounds__(128) merge_splits_kernel(const VerifyParams<T> p) {
-  __shared__ float s_w[64];
+  __shared__ float s_w[kMaxSplits];
   __shared__ float s_lse;
+  __shared__ float4 s_acc[128];
   const int64_t row = blockIdx.x;
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, parts = gridDim.y;
+  const int stream_lanes = 128 / parts, stream = tid / stream_lanes;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // Launched behind the seesaw kernel as a programmatic dependent: its partials are complete
   // and visible only after this (a no-op after an ordinary launch).
@@ -507,23 +515,44 @@ __global__ void __launch_bounds__(128) merge_splits_kernel(const VerifyParams<T>
     if (tid == 0) s_lse = sum > 0.f ? base + __logf(sum) : sum == 0.f ? -INFINITY : sum;
   }
   __syncthreads();
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int s = 0; s < p.splits; ++s) {
-    const float w = s_w[s];
-    if (w == 0.f) continue;  // empty split: its values were never written
-    const float4 v = *reinterpret_cast<const float4*>(p.part_o + (s * p.rows_total + row) * kDv + tid * 4);
-    acc[0] += w * v.x;
-    acc[1] += w * v.y;
-    acc[2] += w * v.z;
-    acc[3] += w * v.w;
+  // Loads in batches of eight splits before their sums: one at a time, each would wait a
+  // full memory latency.
+  constexpr int kBatch = 8;
+  const int dim = blockIdx.y * (kDv / parts) + (tid - stream * stream_lanes) * 4;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int s0 = stream * kBatch; s0 < p.splits; s0 += parts * kBatch) {
+    float w[kBatch];
+    float4 v[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      w[i] = s0 + i < p.splits ? s_w[s0 + i] : 0.f;
+      // An empty split's values were never written: not read, so they cannot bring a NaN.
+      v[i] = w[i] != 0.f ? *reinterpret_cast<const float4*>(p.part_o + ((s0 + i) * p.rows_total + row) * kDv + dim)
+                         : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      acc.x += w[i] * v[i].x;
+      acc.y += w[i] * v[i].y;
+      acc.z += w[i] * v[i].z;
+      acc.w += w[i] * v[i].w;
+    }
+  }
+  s_acc[tid] = acc;
+  __syncthreads();
+  if (stream > 0) return;
+  for (int k = 1; k < parts; ++k) {
+    const float4 a = s_acc[tid + k * stream_lanes];
+    acc.x += a.x;
+    acc.y += a.y;
+    acc.z += a.z;
+    acc.w += a.w;
   }
   const int64_t node = row / p.heads, head = row - node * p.heads;
-  T* dst = p.out + node * p.out_st + head * p.out_sh + tid * 4;
-  *reinterpret_cast<uint2*>(dst) = make_uint2(pack2<T>(acc[0], acc[1]), pack2<T>(acc[2], acc[3]));
-  if (tid == 0) p.lse[node * p.lse_st + head * p.lse_sh] = s_lse;
+  T* dst = p.out + node * p.out_st + head * p.out_sh + dim;
+  *reinterpret_cast<uint2*>(dst) = make_uint2(pack2<T>(acc.x, acc.y), pack2<T>(acc.z, acc.w));
+  if (tid == 0 && blockIdx.y == 0) p.lse[node * p.lse_st + head * p.lse_sh] = s_lse;
 }
-
-constexpr int kMaxSplits = 64;  // merge kernel keeps one weight per split in shared memory
 
 // The portable kernel's row tile. A 48-row CTA streams its keys once per 48 rows instead of 64,
 // so it pays only where 64-row tiles pad many rows: on an H200, requests of 144 rows (16 heads x
@@ -696,7 +725,11 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   const int64_t slots = num_sms(q) * (rows == Cta16::kRows ? portable_ctas_per_sm<Cta16>(q) : 1);
   // Splitting only pays while the row tiles alone leave SMs idle: each split re-reads Q and
   // writes a 2 KB partial per row.
-  int64_t max_split = std::min<int64_t>(kMaxSplits, (2 * slots + work_tiles - 1) / work_tiles);
+  // Past 64 splits (and so only with a hint) a split keeps at least 512 keys: a 64-row tile's
+  // Q and partials cost 330 KB per split, as much as 290 keys (1x16x4 @32k on an H200: 132
+  // splits of 248 keys ran 0.059 ms, 64 splits of 512 keys 0.050).
+  const int64_t split_cap = max_kv_len >= 0 ? std::max<int64_t>(64, max_kv_len / 512) : 64;
+  int64_t max_split = std::min({kMaxSplits, split_cap, (2 * slots + work_tiles - 1) / work_tiles});
   const int64_t min_split_keys = which == VerifyKernel::kSeesaw ? 128 : 256;
   if (max_kv_len >= 0) max_split = std::clamp<int64_t>(max_kv_len / min_split_keys, 1, max_split);
   if (work_tiles >= slots) max_split = 1;
@@ -773,7 +806,10 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
       pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
       pdl.val.programmaticStreamSerializationAllowed = 1;
       cudaLaunchConfig_t cfg{};
-      cfg.gridDim = dim3(static_cast<unsigned>(T * H));
+      // Dim parts per row: at least four blocks per SM where rows are few.
+      int64_t parts = 1;
+      while (parts < 16 && T * H * parts < 4 * num_sms(q)) parts *= 2;
+      cfg.gridDim = dim3(static_cast<unsigned>(T * H), static_cast<unsigned>(parts));
       cfg.blockDim = dim3(128);
       cfg.stream = current_stream();
       cfg.attrs = &pdl;
