@@ -701,17 +701,10 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   if (T == 0 || batch == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
 
-  VerifyKernel which = pick_verify_kernel(sm_scale);
-  if (fp8 && which == VerifyKernel::kWgmma) which = VerifyKernel::kPortable;  // no fp8 path there
-  // Over an fp8 pool, requests the portable kernel gives 16-row CTAs run faster there than on
-  // the seesaw kernel's 64-row tiles, which pad them fourfold and widen every row for a
-  // quarter of the work (H200: 64x16x1 @8k 0.162 against 0.230 ms, 16x8x1 @32k 0.172 against
-  // 0.230). Over a bf16 pool the seesaw kernel stays ahead or even (0.185 against 0.185, 0.176
-  // against 0.188). KDTREE_VERIFY_ROWS=48 or 64 keeps the Hopper kernel.
-  if (fp8 && which == VerifyKernel::kSeesaw && portable_rows(T, H, batch) == Cta16::kRows) {
-    which = VerifyKernel::kPortable;
-  }
-  const int rows = which == VerifyKernel::kPortable ? portable_rows(T, H, batch) : kRows;
+  // KDTREE_VERIFY_ROWS=48 or 64 keeps sm_90's small fp8 requests on the Hopper kernel.
+  const int portable = portable_rows(T, H, batch);
+  const VerifyKernel which = pick_verify_kernel(sm_scale, fp8, fp8 && portable == Cta16::kRows);
+  const int rows = which == VerifyKernel::kPortable ? portable : kRows;
   // Grid: one CTA per (request, row tile) and prefix split. The tile count bound and the
   // split count depend only on shapes and host hints, so the launch is graph-capturable.
   const int64_t tiles = ceil_div(T * H, rows) + batch;
@@ -722,7 +715,8 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   // smallest s (less to merge). Short prefixes (hint) are not cut below 256 keys per split
   // (128, one tile pair, for the seesaw kernel).
   // One CTA per SM (registers; shared memory on sm_90), but for 16-row CTAs.
-  const int64_t slots = num_sms(q) * (rows == Cta16::kRows ? portable_ctas_per_sm<Cta16>(q) : 1);
+  const int sms = num_sms(q);
+  const int64_t slots = sms * (rows == Cta16::kRows ? portable_ctas_per_sm<Cta16>(q) : 1);
   // Splitting only pays while the row tiles alone leave SMs idle: each split re-reads Q and
   // writes a 2 KB partial per row.
   // Past 64 splits (and so only with a hint) a split keeps at least 512 keys: a 64-row tile's
@@ -808,7 +802,7 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
       cudaLaunchConfig_t cfg{};
       // Dim parts per row: at least four blocks per SM where rows are few.
       int64_t parts = 1;
-      while (parts < 16 && T * H * parts < 4 * num_sms(q)) parts *= 2;
+      while (parts < 16 && T * H * parts < 4 * sms) parts *= 2;
       cfg.gridDim = dim3(static_cast<unsigned>(T * H), static_cast<unsigned>(parts));
       cfg.blockDim = dim3(128);
       cfg.stream = current_stream();

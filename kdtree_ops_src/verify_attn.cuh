@@ -265,8 +265,10 @@ enum class VerifyKernel {
 
 // kSeesaw when the current device is sm_90 and this build carries its sm_90a code, unless
 // KDTREE_VERIFY_WGMMA=0 (kPortable) or KDTREE_VERIFY_SEESAW=0 (kWgmma); the seesaw kernel
-// takes a positive, finite scale only (kWgmma otherwise). Read at every call.
-VerifyKernel pick_verify_kernel(double sm_scale);
+// takes a positive, finite scale only (kWgmma otherwise). Over an fp8 pool kPortable instead
+// of kWgmma (no fp8 path there) and for requests the portable kernel gives 16-row CTAs
+// (fp8_small_rows). Read at every call.
+VerifyKernel pick_verify_kernel(double sm_scale, bool fp8, bool fp8_small_rows);
 
 // Launches the wgmma or the seesaw kernel (not kPortable).
 template <typename T>
