@@ -1157,19 +1157,26 @@ def test_verify_attn_cuda_portable_row_tile_choice(heads, node_counts, want, mon
     served, ctas = {}, {}
     for rows in ("", "16", "48", "64"):
         monkeypatch.setenv("KDTREE_VERIFY_ROWS", rows)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            served[rows] = kdtree_ops.verify_attn(*verify_args(case), max_kv_len=1000)
-            torch.cuda.synchronize()
-        ctas[rows] = served_verify_kernels(prof)
+        served[rows], ctas[rows] = verify_attn_served(case, max_kv_len=1000)
     assert ctas[""] == {want} and all(ctas[r] == {r} for r in ("16", "48", "64")), ctas
     assert all(torch.equal(a, b) for a, b in zip(served[""], served[want]))
     assert_verify_close(*served[""], case)
 
 
-def served_verify_kernels(prof) -> set:
-    """Which verify kernels a profiled call launched: "seesaw", or the portable CTA's rows."""
-    names = [e.name for e in prof.events()]
-    return {m for n in names for m in re.findall(r"Cta<(\d+),", n)} | {"seesaw" for n in names if "seesaw" in n}
+def launched_kernels(fn):
+    """fn()'s result and the names of the CUDA kernels it launched."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        result = fn()
+        torch.cuda.synchronize()
+    return result, [e.name for e in prof.events()]
+
+
+def verify_attn_served(case, **kw):
+    """verify_attn's (out, lse) on the case and which verify kernels served it: "seesaw", or
+    the portable CTA's rows."""
+    result, names = launched_kernels(lambda: kdtree_ops.verify_attn(*verify_args(case), **kw))
+    served = {m for n in names for m in re.findall(r"Cta<(\d+),", n)} | {"seesaw" for n in names if "seesaw" in n}
+    return result, served
 
 
 @pytest.mark.skipif(not GPU or torch.cuda.get_device_capability() != (9, 0), reason="the Hopper kernels serve sm_90 only")
@@ -1190,10 +1197,8 @@ def test_verify_attn_cuda_sm90_kernel_choice(heads, node_counts, pool, rows, wan
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("KDTREE_VERIFY_ROWS", rows)
     case, kw, ref = with_pool(make_verify_case([1000] * len(node_counts), node_counts, heads), pool)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        out, lse = kdtree_ops.verify_attn(*verify_args(case), max_kv_len=1000, **kw)
-        torch.cuda.synchronize()
-    assert served_verify_kernels(prof) == {want}
+    (out, lse), served = verify_attn_served(case, max_kv_len=1000, **kw)
+    assert served == {want}
     assert_verify_close(out, lse, ref)
 
 
@@ -1268,7 +1273,8 @@ def test_verify_attn_cuda_one_row_tile_many_splits(verify_kernel, pool, heads, n
     """A single request of one row tile over a long prefix is cut into as many splits as the
     GPU has CTA slots (132-264 on an H200, past the 64 of old), then merged exactly."""
     case, kw, ref = with_pool(make_verify_case([70001], [nodes], heads), pool)
-    out, lse = kdtree_ops.verify_attn(*verify_args(case), max_kv_len=70001, **kw)
+    (out, lse), names = launched_kernels(lambda: kdtree_ops.verify_attn(*verify_args(case), max_kv_len=70001, **kw))
+    assert any("merge_splits" in n for n in names), names
     assert_verify_close(out, lse, ref)
 
 
