@@ -1008,6 +1008,7 @@ VERIFY_GRID = [  # (prefix lens, node counts, heads)
     ([300], [1025], 2),  # largest tree
     ([17] * 256, [3] * 256, 4),  # batch 256
     ([8191, 77], [257, 31], 16),
+    ([45, 3, 200] * 100, [1] * 300, 13),  # 300 one-node requests: sm_90's staged 16-row CTA over fp8 pools
 ]
 
 # The kernels verify_attn chooses from on an H100/H200 (sm_90); on any other GPU the first two
@@ -1173,9 +1174,12 @@ def launched_kernels(fn):
 
 def verify_attn_served(case, **kw):
     """verify_attn's (out, lse) on the case and which verify kernels served it: "seesaw", or
-    the portable CTA's rows."""
+    the portable CTA's rows ("16 staged": the 16-row CTA that stages an fp8 pool's next tile
+    as bytes)."""
     result, names = launched_kernels(lambda: kdtree_ops.verify_attn(*verify_args(case), **kw))
-    served = {m for n in names for m in re.findall(r"Cta<(\d+),", n)} | {"seesaw" for n in names if "seesaw" in n}
+    served = {rows + (" staged" if staged == "true" else "")
+              for n in names for rows, staged in re.findall(r"Cta<(\d+), \d+, \d+, (true|false)>", n)}
+    served |= {"seesaw" for n in names if "seesaw" in n}
     return result, served
 
 
@@ -1184,6 +1188,9 @@ def verify_attn_served(case, **kw):
     (16, [1] * 3, "uint8", "", "16"),  # 16 rows over an fp8 pool: the portable 16-row CTA
     (8, [2] * 2, "float8_e4m3fn", "", "16"),
     (5, [3], "uint8", "", "16"),
+    # more row tiles than two 16-row CTAs per SM hold: the 16-row CTA that stages bytes (three per SM)
+    (13, [1] * 300, "uint8", "", "16 staged"),
+    (4, [3] * 300, "float8_e4m3fn", "", "16 staged"),
     (16, [1] * 3, "q_dtype", "", "seesaw"),  # a bf16 pool stays on the seesaw kernel
     (17, [1] * 2, "uint8", "", "seesaw"),  # 17 rows
     (16, [1, 1, 2], "uint8", "", "seesaw"),  # unequal trees: request sizes unknown to the host
@@ -1192,7 +1199,9 @@ def verify_attn_served(case, **kw):
 ])
 def test_verify_attn_cuda_sm90_kernel_choice(heads, node_counts, pool, rows, want, monkeypatch):
     """Unforced on an H100/H200, the seesaw kernel serves every request but those of at most
-    16 rows over an fp8 pool, which the portable kernel's 16-row CTA serves."""
+    16 rows over an fp8 pool, which the portable kernel's 16-row CTA serves; the variant that
+    stages the next tile's bytes (three fit an SM where two of the other do) where the grid
+    has more CTAs than two per SM."""
     for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("KDTREE_VERIFY_ROWS", rows)
