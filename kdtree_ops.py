@@ -975,8 +975,9 @@ def verify_attn(
     the batch size B, requests of T / B nodes take 16 if they have at most 16 rows (16 heads x 1
     node), else 48 if 64-row tiles would cover at least 1.2 times the rows 48-row ones do (16
     heads x 9 nodes: 192 rows against 144); otherwise 64. Over an fp8 pool, requests that take
-    16 rows run on the portable kernel on sm_90 too (faster there than on 64-row tiles). The
-    shapes alone decide. ``KDTREE_VERIFY_ROWS=16``, ``48`` or ``64`` forces one (48 or 64 keeps
+    16 rows run on the portable kernel on sm_90 too (faster there than on 64-row tiles), in a
+    variant that stages the next tile's e4m3 bytes where the grid has more CTAs than two per
+    SM (three of it fit an H200 SM). The shapes alone decide. ``KDTREE_VERIFY_ROWS=16``, ``48`` or ``64`` forces one (48 or 64 keeps
     sm_90's fp8 requests on the Hopper kernel). Each variable is read at every call, so also
     when a CUDA graph is captured.
 
