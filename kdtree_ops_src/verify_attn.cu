@@ -21,7 +21,8 @@
 // A request of at most 16 rows (16 heads x 1 node) takes a 16-row CTA: the 48-row CTA's warps
 // of one row tile (4 warps, each copying 8 rows of a KV tile in two passes), two per SM on
 // sm_90 where the others run one. Over an fp8 pool it keeps one f16 tile and stages the next
-// tile's e4m3 bytes behind it where that fits more CTAs on an SM (three on sm_90).
+// tile's e4m3 bytes behind it where that fits more CTAs on an SM (three on sm_90) and the
+// grid has CTAs for those places.
 //
 // On sm_90 (H100/H200) a Hopper kernel takes the same CTAs instead (verify_attn_sm90_seesaw.cu;
 // verify_attn_sm90.cu).
