@@ -246,6 +246,9 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
   // 64 c of its rows and widens the same bytes itself: no thread reads another's copies
   // before they are widened.
   auto staged_row = [&](int row) { return s_kv + kStageBytes + row * kDqk + (lane & 7) * 8; };
+  // A thread's 8 e4m3 bytes of chunk c lie kPieceStep apart: staged rows are dense, in-place
+  // ones sit in the second half of the 16-byte chunk they widen into.
+  constexpr int kPieceStep = kStaged ? 64 : 128;
   auto load_tile = [&](int t, int stage) {
     const Idx* slots = s_slot[t % 3];
     if (copier) {
@@ -254,7 +257,6 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
         // chunks its f16 values will fill: the thread that copies chunk c's 8 bytes is the one
         // that widens them in place, so no other thread's data is overwritten and no extra
         // barrier is needed.
-        constexpr int kPieceStep = kStaged ? 64 : 128;
         const int first = pre_begin + t * kKeys;
 #pragma unroll
         for (int i = 0; i < C::kCopyRows; i += 4) {
@@ -297,6 +299,20 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
     }
   };
 
+  // fp8 pool: this thread's e4m3 bytes of a prefix tile's rows (staged, or in place in
+  // `stage`) into f16 in `stage`.
+  auto prefix_rows_to_f16 = [&](uint8_t* stage) {
+#pragma unroll
+    for (int i = 0; i < C::kCopyRows; i += 4) {
+      const int row = own_row0 + i;
+      uint8_t* dst = stage + row * kRowPitch + (lane & 7) * 16;
+      const uint8_t* bytes = kStaged ? staged_row(row) : dst;
+#pragma unroll
+      for (int c = 0; c < kChunks / 8; ++c)
+        *reinterpret_cast<uint4*>(dst + c * 128) = widen_e4m3x8(*reinterpret_cast<const uint2*>(bytes + c * kPieceStep));
+    }
+  };
+
   // Per-lane fragment bases (stage 0); ldmatrix addresses add compile-time offsets to these.
   const int mi = lane >> 3;
   const uint32_t k_lane = smem_addr(s_kv + ((mi >> 1) * 8 + (lane & 7)) * kRowPitch + ((mi & 1) + dh * kPartK * 2) * 16);
@@ -323,15 +339,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
       cp_async_wait<0>();
       __syncthreads();  // iteration t-1 finished with the f16 stage; slots(t+1) visible
       if (copier && t < pre_tiles) {
-#pragma unroll
-        for (int i = 0; i < C::kCopyRows; i += 4) {
-          const int row = own_row0 + i;
-          uint8_t* dst = s_kv + row * kRowPitch + (lane & 7) * 16;
-          const uint8_t* staged = staged_row(row);
-#pragma unroll
-          for (int c = 0; c < kChunks / 8; ++c)
-            *reinterpret_cast<uint4*>(dst + c * 128) = widen_e4m3x8(*reinterpret_cast<const uint2*>(staged + c * 64));
-        }
+        prefix_rows_to_f16(s_kv);
       } else if (copier) {
         const int first = (t - pre_tiles) * kKeys;
         copy_rows(s_kv, C::kCopyRows, [&](int k) -> const T* {
@@ -357,13 +365,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
       if (Fp8 && copier && t >= pre_tiles) {
         tree_rows_to_f16(s_kv + stage * kStageBytes);
       } else if (Fp8 && copier) {
-#pragma unroll
-        for (int i = 0; i < C::kCopyRows; i += 4) {
-          uint8_t* row = s_kv + stage * kStageBytes + (own_row0 + i) * kRowPitch + (lane & 7) * 16;
-#pragma unroll
-          for (int c = 0; c < kChunks / 8; ++c)
-            *reinterpret_cast<uint4*>(row + c * 128) = widen_e4m3x8(*reinterpret_cast<const uint2*>(row + c * 128));
-        }
+        prefix_rows_to_f16(s_kv + stage * kStageBytes);
       }
       __syncthreads();  // tile t and slots(t+1) visible; iteration t-1 finished with its buffers
       if (t + 1 < n_tiles) {
@@ -806,12 +808,13 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   // f16 tiles (H200, 1x16x1 @128k, 256 CTAs: 0.0671 ms staged against 0.0572).
   const int sms = num_sms(q);
   const bool rows16 = which == VerifyKernel::kPortable && rows == Cta16::kRows;
-  int64_t slots = sms * (rows16 ? portable_ctas_per_sm<Cta16>(q) : 1);
+  const int64_t per_sm16 = rows16 ? portable_ctas_per_sm<Cta16>(q) : 1;
+  const int64_t slots = sms * per_sm16;
   int64_t splits = splits_for(slots);
   bool staged16 = false;
-  if (rows16 && fp8 && portable_ctas_per_sm<Cta16Fp8>(q) > portable_ctas_per_sm<Cta16>(q)) {
+  if (rows16 && fp8) {
     const int64_t staged_slots = sms * portable_ctas_per_sm<Cta16Fp8>(q), staged_splits = splits_for(staged_slots);
-    staged16 = work_tiles * staged_splits > slots;
+    staged16 = staged_slots > slots && work_tiles * staged_splits > slots;
     if (staged16) splits = staged_splits;
   }
   KD_CHECK(tiles < (int64_t{1} << 31), "too many rows");
