@@ -977,9 +977,9 @@ def verify_attn(
     heads x 9 nodes: 192 rows against 144); otherwise 64. Over an fp8 pool, requests that take
     16 rows run on the portable kernel on sm_90 too (faster there than on 64-row tiles), in a
     variant that stages the next tile's e4m3 bytes where the grid has more CTAs than two per
-    SM (three of it fit an H200 SM). The shapes alone decide. ``KDTREE_VERIFY_ROWS=16``, ``48`` or ``64`` forces one (48 or 64 keeps
-    sm_90's fp8 requests on the Hopper kernel). Each variable is read at every call, so also
-    when a CUDA graph is captured.
+    SM (three of it fit an H200 SM). The shapes alone decide. ``KDTREE_VERIFY_ROWS=16``,
+    ``48`` or ``64`` forces one (48 or 64 keeps sm_90's fp8 requests on the Hopper kernel).
+    Each variable is read at every call, so also when a CUDA graph is captured.
 
     Parameters
     ----------
