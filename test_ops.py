@@ -1287,6 +1287,63 @@ def test_verify_attn_cuda_one_row_tile_many_splits(verify_kernel, pool, heads, n
     assert_verify_close(out, lse, ref)
 
 
+SLOT_LAYOUTS = ["pages", "pages_one_swap", "full_pool", "runs"]
+
+
+@needs_gpu
+@pytest.mark.parametrize("layout", SLOT_LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_verify_attn_cuda_slot_layouts(verify_kernel, layout, dtype, index_dtype):
+    """Prefixes in consecutive slots (whole pages, a page with one pair swapped, pages up to the
+    pool's last row, runs of random length that tiles straddle), which the seesaw kernel loads
+    in tensor-map boxes where a 64-key tile's slots run consecutively; one-row-tile splits and
+    tree tiles among them."""
+    case = make_verify_case([4000, 64, 129, 1, 700], [9, 4, 1, 16, 3], 16, dtype=dtype, index_dtype=index_dtype,
+                            slots=layout)
+    out, lse = kdtree_ops.verify_attn(*verify_args(case))
+    assert_verify_close(out, lse, case)
+    out2, lse2 = kdtree_ops.verify_attn(*verify_args(case), max_kv_len=4000)
+    assert_verify_close(out2, lse2, case)
+
+
+@needs_gpu
+@pytest.mark.parametrize("layout", SLOT_LAYOUTS)
+def test_verify_attn_cuda_boxes_change_no_bits(layout, monkeypatch):
+    """Boxed and per-slot loads put the same bytes in the same place: the outputs are equal
+    bit for bit with the boxes on and off (KDTREE_VERIFY_TMA=0), and the seesaw kernel's
+    instance is the boxable one only with them on."""
+    for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA", "KDTREE_VERIFY_ROWS", "KDTREE_VERIFY_TMA"):
+        monkeypatch.delenv(name, raising=False)
+    case = make_verify_case([5000, 300, 64], [9, 1, 5], 16, slots=layout)
+    (out, lse), names = launched_kernels(lambda: kdtree_ops.verify_attn(*verify_args(case), max_kv_len=5000))
+    monkeypatch.setenv("KDTREE_VERIFY_TMA", "0")
+    (out0, lse0), names0 = launched_kernels(lambda: kdtree_ops.verify_attn(*verify_args(case), max_kv_len=5000))
+    assert torch.equal(out, out0) and torch.equal(lse, lse0)
+    assert_verify_close(out, lse, case)
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert any(re.search(r"seesaw_kernel<.*, false, true>", n) for n in names), names
+        assert any(re.search(r"seesaw_kernel<.*, false, false>", n) for n in names0), names0
+
+
+@needs_gpu
+@pytest.mark.parametrize("layout", ["pages", "runs"])
+def test_verify_attn_cuda_slot_layouts_graph_replay(verify_kernel, layout):
+    """A captured call replayed over new slots of another layout draw: the boxes follow the
+    slots on the device, not the ones seen at capture."""
+    shape = ([3000, 77, 640], [9, 2, 16], 16)
+
+    def fresh():
+        c = make_verify_case(*shape, pool=20000, slots=layout)
+        return [c[k] for k in VERIFY_ARGS[:-1]]
+
+    def check(inputs, out):
+        case = dict(zip(VERIFY_ARGS, [*inputs, 1.0 / math.sqrt(192)]))
+        assert_verify_close(out[0], out[1], case)
+
+    graph_replay(lambda *a: kdtree_ops.verify_attn(*a, 1.0 / math.sqrt(192), max_kv_len=3000), fresh, check)
+
+
 @needs_gpu
 def test_verify_attn_out_writes_strided_buffer():
     """SGLang's output buffer is o = q.new_empty(T, H*512), viewed as [T, H, 512]."""

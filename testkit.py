@@ -131,16 +131,64 @@ def random_tree_mask(nodes: int, generator: torch.Generator) -> torch.Tensor:
     return kdtree_ops.ancestor_mask([-1] + [int(torch.randint(0, i, (1,), generator=generator)) for i in range(1, nodes)])
 
 
+PAGE = 64  # slots per page of the paged layouts (FlashMLA's page size)
+
+
+def prefix_slots(prefix_lens, layout: str, pool, g: torch.Generator) -> tuple[torch.Tensor, int]:
+    """(every request's prefix slots, concatenated; the pool's row count) for one layout:
+
+    - ``scattered``: each slot drawn at random from a pool about twice the working set (an
+      allocator under heavy turnover, page size 1);
+    - ``pages``: each request in whole 64-slot pages, the pages in random order (a paged pool);
+    - ``pages_one_swap``: pages, with two neighbouring slots of each request's first page
+      swapped (a tile whose edge slots are 63 apart that is no run);
+    - ``full_pool``: pages in a pool with no other rows, the first request's first page its last;
+    - ``runs``: runs of 1-160 consecutive slots at random places (a fragmented allocator),
+      so tiles straddle runs.
+    """
+    total = sum(prefix_lens)
+    if layout == "scattered":
+        S = pool or max(2 * total + 16, 64)
+        return torch.randperm(S, generator=g)[:total], S
+    if layout == "runs":
+        S = pool or max(4 * total + 16, 64)
+        free = torch.ones(S, dtype=torch.bool)
+        out, have = [], 0
+        while have < total:
+            n = min(int(torch.randint(1, 161, (1,), generator=g)), total - have)
+            start = int(torch.randint(0, S - n + 1, (1,), generator=g))
+            if free[start : start + n].all():
+                free[start : start + n] = False
+                out.append(torch.arange(start, start + n))
+                have += n
+        return torch.cat(out), S
+    pages = [-(-n // PAGE) for n in prefix_lens]
+    S = pool or PAGE * (sum(pages) if layout == "full_pool" else 2 * sum(pages) + 1)
+    order = torch.randperm(S // PAGE, generator=g)[: sum(pages)]
+    if layout == "full_pool":  # the first request's first tile ends at the pool's last row
+        order[order == S // PAGE - 1] = order[0].clone()
+        order[0] = S // PAGE - 1
+    out, used = [], 0
+    for n, k in zip(prefix_lens, pages):
+        slots = (order[used : used + k, None] * PAGE + torch.arange(PAGE)).flatten()[:n]
+        if layout == "pages_one_swap" and n >= 12:
+            slots[[10, 11]] = slots[[11, 10]]
+        out.append(slots)
+        used += k
+    return (torch.cat(out) if out else torch.zeros(0, dtype=torch.long)), S
+
+
 def make_verify_case(prefix_lens, node_counts, heads, *, dtype=torch.bfloat16, device="cuda",
-                     pool=None, causal=False, index_dtype=torch.int32, kv_3d=False, seed=None):
-    """Random verify batch: scattered prefix slots in a pool whose other slots hold NaN, random
-    trees, packed masks with garbage in the bits past each request's nodes."""
+                     pool=None, causal=False, index_dtype=torch.int32, kv_3d=False, seed=None, slots="scattered"):
+    """Random verify batch: prefix slots laid out as ``slots`` names (prefix_slots) in a pool
+    whose other slots hold NaN, random trees, packed masks with garbage in the bits past each
+    request's nodes."""
     g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
     total = sum(prefix_lens)
     T, nmax = sum(node_counts), max(node_counts)
-    S = pool or max(2 * total + 16, 64)
+    slots, S = prefix_slots(prefix_lens, slots, pool, g)
+    slots = slots.to(device)
     kv_cache = torch.full((S, 576), math.nan, dtype=dtype, device=device)
-    slots = torch.randperm(S, generator=g)[:total].to(device)
     kv_cache[slots] = torch.randn(total, 576, generator=g).to(device=device, dtype=dtype)
     q = torch.randn(T, heads, 576, generator=g).to(device=device, dtype=dtype)
     tree_k = torch.randn(T, 576, generator=g).to(device=device, dtype=dtype)

@@ -24,6 +24,9 @@
 #include "verify_attn.cuh"
 #include "verify_attn_sm90.cuh"
 
+#include <cuda.h>  // CUtensorMap; the encoder is fetched from the driver at run time
+#include <cudaTypedefs.h>
+
 namespace kdtree {
 namespace {
 
@@ -42,11 +45,13 @@ constexpr int kOffTile = kOffBar + 8 * 13;
 constexpr int kSmemBytes = kOffTile + 8 + 1024;
 static_assert(kSmemBytes <= 227 * 1024, "must fit sm_90's 227 KB per block");
 static_assert(kRows == 64, "one wgmma M tile of rows per CTA");
+constexpr int kTileKeys = 64;
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define KD_SM90A 1
 
-constexpr int kTileKeys = 64, kPairKeys = 2 * kTileKeys;
+constexpr int kPairKeys = 2 * kTileKeys;
+
 // setmaxnreg budgets: 2 x 128 x 224 + 128 x 56 of the 64K registers.
 constexpr int kConsumerRegs = 224, kProducerRegs = 56;
 // The first max of a row: finite, so that no -inf - -inf appears; below every real score.
@@ -56,6 +61,8 @@ constexpr int kBarMax0 = 1, kBarMax1 = 2, kBarP0 = 3, kBarP1 = 4, kBarSum = 5;
 // The producer's last copy issued -> the consumers' epilogue, with whether it met a slot
 // outside kv_cache (bar_or over all three warpgroups).
 constexpr int kBarLoaded = 6;
+// The producer warpgroup (128 threads) agreeing on whether a tile's slots run consecutively.
+constexpr int kBarRun = 7;
 
 // The loop's branch is warp-uniform (vote, bra.uni): a wgmma chain may run across the wait
 // without ptxas serializing the kernel's wgmma ops.
@@ -317,10 +324,121 @@ __device__ __forceinline__ void produce_fp8(const VerifyParams<T>& p, uint32_t s
   }
 }
 
+// Loads of 16-bit K rows in 2D tensor-map boxes (cp.async.bulk.tensor): 64 slots x 64 dims,
+// landing in the 128-byte swizzle the K buffers use, completing on `bar` by bytes.
+__device__ __forceinline__ void mbar_expect_bytes(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void box_load(uint32_t dst, const CUtensorMap* map, int dim, int slot, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(dim), "r"(slot), "r"(bar)
+      : "memory");
+}
+
+// The producer over a bf16/fp16 pool. Thread (group grp, chunk ck) copies rows grp + 16 j
+// (j < 4) of a tile, 16-byte chunk ck of each of their 128-byte column blocks, by cp.async:
+// eight threads read 128 contiguous bytes of a row. Boxed (kv_map set): a prefix tile whose
+// 64 slots are consecutive rows of the pool instead lands as one box per column block, issued
+// by one thread: 9 instructions for the 2,304 16-byte copies and their addresses. Boxed is a
+// separate instantiation because the per-tile test costs the copy loop: with both paths in
+// one loop, scattered slots ran 7-13% slower on an H200 even with the boxes switched off.
+template <bool Boxed, typename T, typename Idx, typename SlotOf>
+__device__ __forceinline__ void produce_rows(const VerifyParams<T>& p, const CUtensorMap* kv_map, uint32_t sK,
+                                             SlotOf slot_of, const Idx* kv_indices, int q_begin, int prefix,
+                                             int key_begin, int key_end, int n_pairs, int lt, uint32_t bar_q, bool& bad) {
+  const int grp = lt >> 3, ck = lt & 7;
+  const uint32_t dst = grp * 128 + ((ck ^ (grp & 7)) << 4);  // (grp + 16 j) & 7 == grp & 7
+  auto bar_ready = [&](int buf, int half) { return bar_q + 8 * (1 + 2 * buf + half); };
+  auto bar_free = [&](int buf, int half) { return bar_q + 8 * (5 + 2 * buf + half); };
+  // Key of this thread's row i (tile i / 4, row grp + 16 (i % 4)) of a pair; the prefix slot
+  // behind it (0 for a tree key or past the end), as loaded: checked only where a copy uses
+  // it, half a pair later, so no instruction waits on the load before then.
+  auto key_of = [&](int pair, int i) { return key_begin + pair * kPairKeys + (i >> 2) * kTileKeys + grp + 16 * (i & 3); };
+  // Row `key`'s first byte (row 0 of the pool past this CTA's keys, read as zeros).
+  auto row_of = [&](int key, Idx slot) -> const T* {
+    if (key >= key_end) return p.kv;
+    if (key < prefix) return p.kv + static_cast<int64_t>(checked_slot(p, slot, bad)) * p.kv_stride;
+    return p.tree_k + static_cast<int64_t>(q_begin + key - prefix) * p.tk_stride;
+  };
+  // This thread's 8 row slots of a pair; each tile's 4 are loaded as soon as that tile's rows
+  // of the previous pair are copied, half a pair before their own copies: no copy waits for
+  // an index load.
+  Idx slot[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) slot[i] = slot_of(key_of(0, i));
+  // Boxed: the first slot of each tile of the pair where its slots run consecutively inside
+  // the pool, else -1. All 128 threads agree (one barrier), so one of them issues the boxes.
+  int run[2] = {-1, -1};
+  const int unmasked_end = min(prefix, key_end);
+  auto find_run = [&](int pr, int tl) {
+    const int key0 = key_begin + pr * kPairKeys + tl * kTileKeys;
+    if (key0 + kTileKeys > unmasked_end) return -1;  // CTA-uniform
+    const Idx first = __ldg(kv_indices + key0);  // cached: warp 0 just loaded it as its slot
+    bool mine = first >= 0 && static_cast<uint64_t>(first) + kTileKeys <= static_cast<uint64_t>(p.kv_rows);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) mine &= slot[4 * tl + j] == first + grp + 16 * j;
+    return bar_or<kBarRun, kWgThreads>(!mine) ? -1 : static_cast<int>(first);
+  };
+
+  uint32_t free_parity = 1;  // a fresh barrier's "previous phase" counts as complete
+#pragma unroll 1
+  for (int pr = 0; pr < n_pairs; ++pr) {
+    auto copy = [&](int tl, int cb0, int cb1, uint32_t bar) {
+      if (Boxed && run[tl] >= 0) {
+        if (lt == 0) {
+          mbar_expect_bytes(bar, (cb1 - cb0) * kBlockBytes);
+          for (int cb = cb0; cb < cb1; ++cb) box_load(sK + tl * kTileBytes + cb * kBlockBytes, kv_map, cb * 64, run[tl], bar);
+        } else {
+          mbar_arrive(bar);
+        }
+        return;
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int key = key_of(pr, 4 * tl + j);
+        const T* src = row_of(key, slot[4 * tl + j]) + ck * 8;
+#pragma unroll
+        for (int cb = 0; cb < kCols; ++cb)
+          if (cb >= cb0 && cb < cb1)
+            cp_async16(sK + tl * kTileBytes + cb * kBlockBytes + 2048 * j + dst, src + cb * 64, key < key_end);
+      }
+      cp_async_arrive(bar);
+    };
+    // The order the consumers read them: WG0 dims 0-255 then 256-575 of the even tile; WG1
+    // 256-575 then 0-255 of the odd one (its dims 0-255 are freed last, by WG0's P V).
+    if constexpr (Boxed) run[0] = find_run(pr, 0);
+    mbar_wait(bar_free(0, 0), free_parity);
+    copy(0, 0, 4, bar_ready(0, 0));
+    if constexpr (Boxed) run[1] = find_run(pr, 1);
+    mbar_wait(bar_free(1, 1), free_parity);
+    copy(1, 4, kCols, bar_ready(1, 1));
+    mbar_wait(bar_free(0, 1), free_parity);
+    copy(0, 4, kCols, bar_ready(0, 1));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) slot[i] = slot_of(key_of(pr + 1, i));
+    mbar_wait(bar_free(1, 0), free_parity);
+    copy(1, 0, 4, bar_ready(1, 0));
+#pragma unroll
+    for (int i = 4; i < 8; ++i) slot[i] = slot_of(key_of(pr + 1, i));
+    free_parity ^= 1;
+  }
+}
+
+// Whether this CTA's first tile is 64 prefix slots that look consecutive (its last is its
+// first + 63): the CTA then takes the boxed producer, which checks every tile in full.
+template <typename T, typename Idx>
+__device__ __forceinline__ bool kv_runs(const Idx* kv_indices, int prefix, int key_begin, int key_end) {
+  if (key_begin + kTileKeys > min(prefix, key_end)) return false;
+  return __ldg(kv_indices + key_begin + kTileKeys - 1) - __ldg(kv_indices + key_begin) == kTileKeys - 1;
+}
+
 #endif  // sm_90a
 
-template <typename T, typename Idx, bool Fp8>
-__global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const VerifyParams<T> p) {
+// Boxable: a 16-bit pool with kv_map describing it (see launch_verify_attn_seesaw).
+template <typename T, typename Idx, bool Fp8, bool Boxable>
+__global__ void __launch_bounds__(kThreads, 1)
+    verify_attn_seesaw_kernel(const VerifyParams<T> p, const __grid_constant__ CUtensorMap kv_map) {
 #ifdef KD_SM90A
   using M = std::conditional_t<Fp8, Fp8Math, T>;  // the tensor-core operands
   extern __shared__ uint8_t smem_raw[];
@@ -389,58 +507,10 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
     };
     if constexpr (Fp8) {
       produce_fp8(p, sK, smem + kOffK, slot_of, q_begin, prefix, key_begin, key_end, n_pairs, lt, bar_q, bad, beyond);
+    } else if (Boxable && kv_runs<T>(kv_indices, prefix, key_begin, key_end)) {
+      produce_rows<true>(p, &kv_map, sK, slot_of, kv_indices, q_begin, prefix, key_begin, key_end, n_pairs, lt, bar_q, bad);
     } else {
-    // Key of this thread's row i (tile i / 4, row grp + 16 (i % 4)) of a pair; the prefix slot
-    // behind it (0 for a tree key or past the end), as loaded: checked only where a copy uses
-    // it, half a pair later, so no instruction waits on the load before then.
-    auto key_of = [&](int pair, int i) { return key_begin + pair * kPairKeys + (i >> 2) * kTileKeys + grp + 16 * (i & 3); };
-    // Row `key`'s first byte (row 0 of the pool past this CTA's keys, read as zeros).
-    auto row_of = [&](int key, Idx slot) -> const T* {
-      if (key >= key_end) return p.kv;
-      if (key < prefix) return p.kv + static_cast<int64_t>(checked_slot(p, slot, bad)) * p.kv_stride;
-      return p.tree_k + static_cast<int64_t>(q_begin + key - prefix) * p.tk_stride;
-    };
-    // This thread's 8 row slots of a pair; each tile's 4 are loaded as soon as that tile's rows
-    // of the previous pair are copied, half a pair before their own copies: no copy waits for
-    // an index load.
-    Idx slot[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) slot[i] = slot_of(key_of(0, i));
-
-    uint32_t free_parity = 1;  // a fresh barrier's "previous phase" counts as complete
-#pragma unroll 1
-    for (int pr = 0; pr < n_pairs; ++pr) {
-      auto copy = [&](int tl, int cb0, int cb1) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int key = key_of(pr, 4 * tl + j);
-          const T* src = row_of(key, slot[4 * tl + j]) + ck * 8;
-#pragma unroll
-          for (int cb = 0; cb < kCols; ++cb)
-            if (cb >= cb0 && cb < cb1)
-              cp_async16(sK + tl * kTileBytes + cb * kBlockBytes + 2048 * j + dst, src + cb * 64, key < key_end);
-        }
-      };
-      // The order the consumers read them: WG0 dims 0-255 then 256-575 of the even tile; WG1
-      // 256-575 then 0-255 of the odd one (its dims 0-255 are freed last, by WG0's P V).
-      mbar_wait(bar_free(0, 0), free_parity);
-      copy(0, 0, 4);
-      cp_async_arrive(bar_ready(0, 0));
-      mbar_wait(bar_free(1, 1), free_parity);
-      copy(1, 4, kCols);
-      cp_async_arrive(bar_ready(1, 1));
-      mbar_wait(bar_free(0, 1), free_parity);
-      copy(0, 4, kCols);
-      cp_async_arrive(bar_ready(0, 1));
-#pragma unroll
-      for (int i = 0; i < 4; ++i) slot[i] = slot_of(key_of(pr + 1, i));
-      mbar_wait(bar_free(1, 0), free_parity);
-      copy(1, 0, 4);
-      cp_async_arrive(bar_ready(1, 0));
-#pragma unroll
-      for (int i = 4; i < 8; ++i) slot[i] = slot_of(key_of(pr + 1, i));
-      free_parity ^= 1;
-    }
+      produce_rows<false>(p, &kv_map, sK, slot_of, kv_indices, q_begin, prefix, key_begin, key_end, n_pairs, lt, bar_q, bad);
     }
     bar_or<kBarLoaded, kThreads>(bad);
     if constexpr (Fp8) bar_or<kBarLoaded, kThreads>(beyond);
@@ -761,12 +831,46 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_seesaw_kernel(const V
 
 }  // namespace
 
+// A tensor map of a 16-bit pool for the boxed producer: kv_rows rows of 576 elements, kv_stride
+// apart, read in 64 x 64 boxes with the K buffers' 128-byte swizzle. False where the driver or
+// the pool's layout allows none (base and row stride 16-byte aligned, rows < 2^31): the
+// kernel then copies by slot only.
+template <typename T>
+bool encode_kv_map(const VerifyParams<T>& p, CUtensorMap& map) {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return PFN_cuTensorMapEncodeTiled_v12000{nullptr};
+    }
+    return found == cudaDriverEntryPointSuccess ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn) : nullptr;
+  }();
+  const int64_t row_bytes = p.kv_stride * static_cast<int64_t>(sizeof(T));
+  if (encode == nullptr || p.kv_rows < kTileKeys || p.kv_rows >= (int64_t{1} << 31) ||
+      reinterpret_cast<uintptr_t>(p.kv) % 16 != 0 || row_bytes % 16 != 0) {
+    return false;
+  }
+  cuuint64_t dims[2] = {kDqk, static_cast<cuuint64_t>(p.kv_rows)};
+  cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_bytes)};
+  cuuint32_t box[2] = {64, kTileKeys}, steps[2] = {1, 1};
+  const CUtensorMapDataType type =
+      std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  return encode(&map, type, 2, const_cast<T*>(p.kv), dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// KDTREE_VERIFY_TMA=0 keeps every tile on cp.async.
 template <typename T>
 void launch_verify_attn_seesaw(const VerifyParams<T>& p, bool idx32, dim3 grid, cudaStream_t stream) {
-  auto kernel = p.kv8 ? (idx32 ? verify_attn_seesaw_kernel<T, int32_t, true> : verify_attn_seesaw_kernel<T, int64_t, true>)
-                      : (idx32 ? verify_attn_seesaw_kernel<T, int32_t, false> : verify_attn_seesaw_kernel<T, int64_t, false>);
+  CUtensorMap kv_map{};
+  const bool boxable = p.kv8 == nullptr && env_flag("KDTREE_VERIFY_TMA", true) && encode_kv_map(p, kv_map);
+  auto kernel = p.kv8    ? (idx32 ? verify_attn_seesaw_kernel<T, int32_t, true, false> : verify_attn_seesaw_kernel<T, int64_t, true, false>)
+                : boxable ? (idx32 ? verify_attn_seesaw_kernel<T, int32_t, false, true> : verify_attn_seesaw_kernel<T, int64_t, false, true>)
+                          : (idx32 ? verify_attn_seesaw_kernel<T, int32_t, false, false> : verify_attn_seesaw_kernel<T, int64_t, false, false>);
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(p, kv_map);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
