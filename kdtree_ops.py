@@ -979,6 +979,9 @@ def verify_attn(
     variant that stages the next tile's e4m3 bytes where the grid has more CTAs than two per
     SM (three of it fit an H200 SM). The shapes alone decide. ``KDTREE_VERIFY_ROWS=16``,
     ``48`` or ``64`` forces one (48 or 64 keeps sm_90's fp8 requests on the Hopper kernel).
+    On sm_90 a 16-bit pool's 64-key tiles whose slots are consecutive pool rows (a page of a
+    paged pool, a run an allocator handed out) load as tensor-map boxes, checked on the device
+    tile by tile; ``KDTREE_VERIFY_TMA=0`` copies every row by slot.
     Each variable is read at every call, so also when a CUDA graph is captured.
 
     Parameters

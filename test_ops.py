@@ -1311,19 +1311,34 @@ def test_verify_attn_cuda_slot_layouts(verify_kernel, layout, dtype, index_dtype
 @pytest.mark.parametrize("layout", SLOT_LAYOUTS)
 def test_verify_attn_cuda_boxes_change_no_bits(layout, monkeypatch):
     """Boxed and per-slot loads put the same bytes in the same place: the outputs are equal
-    bit for bit with the boxes on and off (KDTREE_VERIFY_TMA=0), and the seesaw kernel's
-    instance is the boxable one only with them on."""
+    bit for bit with the boxes on and off (KDTREE_VERIFY_TMA=0)."""
     for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA", "KDTREE_VERIFY_ROWS", "KDTREE_VERIFY_TMA"):
         monkeypatch.delenv(name, raising=False)
     case = make_verify_case([5000, 300, 64], [9, 1, 5], 16, slots=layout)
-    (out, lse), names = launched_kernels(lambda: kdtree_ops.verify_attn(*verify_args(case), max_kv_len=5000))
+    out, lse = kdtree_ops.verify_attn(*verify_args(case), max_kv_len=5000)
     monkeypatch.setenv("KDTREE_VERIFY_TMA", "0")
-    (out0, lse0), names0 = launched_kernels(lambda: kdtree_ops.verify_attn(*verify_args(case), max_kv_len=5000))
+    out0, lse0 = kdtree_ops.verify_attn(*verify_args(case), max_kv_len=5000)
     assert torch.equal(out, out0) and torch.equal(lse, lse0)
     assert_verify_close(out, lse, case)
-    if torch.cuda.get_device_capability() == (9, 0):
-        assert any(re.search(r"seesaw_kernel<.*, false, true>", n) for n in names), names
-        assert any(re.search(r"seesaw_kernel<.*, false, false>", n) for n in names0), names0
+
+
+@pytest.mark.skipif(not GPU or torch.cuda.get_device_capability() != (9, 0), reason="the Hopper kernels serve sm_90 only")
+@pytest.mark.parametrize("pool,tma,want", [
+    ("q_dtype", "", "false, true"),  # a 16-bit pool: the instance with the boxed producer
+    ("q_dtype", "0", "false, false"),  # KDTREE_VERIFY_TMA=0: per-slot copies only
+    ("uint8", "", "true, false"),  # an fp8 pool: no boxes
+])
+def test_verify_attn_cuda_sm90_boxable_instance(pool, tma, want, monkeypatch):
+    """Which seesaw instance serves a call, read off the kernel's template arguments (Fp8, Boxable)."""
+    for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA", "KDTREE_VERIFY_ROWS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("KDTREE_VERIFY_TMA", raising=False)
+    if tma:
+        monkeypatch.setenv("KDTREE_VERIFY_TMA", tma)
+    case, kw, ref = with_pool(make_verify_case([3000], [9], 16, slots="pages"), pool)
+    (out, lse), names = launched_kernels(lambda: kdtree_ops.verify_attn(*verify_args(case), **kw))
+    assert [n for n in names if "seesaw_kernel<" in n and f", {want}>" in n], names
+    assert_verify_close(out, lse, ref)
 
 
 @needs_gpu

@@ -4,10 +4,11 @@
 //
 // CTA = 3 warpgroups:
 //  - WG2, the producer (few registers): gathers Q, then the keys' 1,152-byte rows by slot index
-//    with 16-byte cp.async (page size 1: no tensor-map tile to TMA) into two K buffers, each
-//    in two halves (dims 0-255; dims 256-575) with their own ready/free mbarriers, so a half
-//    is refilled as soon as its last reader is done. Slot indices are loaded a pair ahead of
-//    the rows they address, so no gather waits on an index load.
+//    with 16-byte cp.async into two K buffers, each in two halves (dims 0-255; dims 256-575)
+//    with their own ready/free mbarriers, so a half is refilled as soon as its last reader is
+//    done. Slot indices are loaded a pair ahead of the rows they address, so no gather waits
+//    on an index load. A 16-bit pool's tile of 64 consecutive slots (page size 1 does not
+//    promise them, but paged pools and long prompts give them) lands as tensor-map boxes.
 //  - WG0 and WG1, the consumers: WG0 computes S = Q K^T for the even tile of each pair (K
 //    buffer 0), WG1 for the odd tile (buffer 1), each with the full 64 x 64 x 576 product.
 //    WG0 owns O[:, 0:256), WG1 O[:, 256:512). Each runs the softmax of its own tile and
