@@ -1083,13 +1083,17 @@ def test_verify_attn_cuda_fp8_tiny_and_large_rows(verify_kernel, storage):
 
 @needs_gpu
 @pytest.mark.parametrize("storage", FP8_STORAGES, ids=FP8_IDS)
-def test_verify_attn_cuda_fp8_graph_replay(verify_kernel, storage):
+@pytest.mark.parametrize("shape,pool", [
+    (([1500, 0, 77], [9, 5, 17], 16), 4000),
+    (([45, 3, 200] * 100, [1] * 300, 13), 60000),  # 300 one-node requests: sm_90's staged 16-row CTA
+])
+def test_verify_attn_cuda_fp8_graph_replay(verify_kernel, storage, shape, pool):
     """Captured once over an fp8 pool with a k_scale tensor; every replay gets other rows,
     slots and trees, and another k_scale value, which the kernel reads on the device."""
     sm_scale, scales = 1.0 / math.sqrt(192), iter([0.37, 1.9, 0.013])
 
     def fresh():
-        case, _ = fp8_pool(make_verify_case([1500, 0, 77], [9, 5, 17], 16, pool=4000), storage, next(scales))
+        case, _ = fp8_pool(make_verify_case(*shape, pool=pool), storage, next(scales))
         return [case[k] for k in VERIFY_ARGS[:-1]] + [case["k_scale"]]
 
     def check(inputs, out):
