@@ -337,14 +337,23 @@ __device__ __forceinline__ void box_load(uint32_t dst, const CUtensorMap* map, i
       : "memory");
 }
 
+// Whether this CTA's first tile is 64 prefix slots that look consecutive (its last is its
+// first + 63): the CTA then takes the boxed producer, which checks every tile in full.
+template <typename T, typename Idx>
+__device__ __forceinline__ bool kv_runs(const Idx* kv_indices, int prefix, int key_begin, int key_end) {
+  if (key_begin + kTileKeys > min(prefix, key_end)) return false;
+  return __ldg(kv_indices + key_begin + kTileKeys - 1) - __ldg(kv_indices + key_begin) == kTileKeys - 1;
+}
+
 // The producer over a bf16/fp16 pool. Thread (group grp, chunk ck) copies rows grp + 16 j
 // (j < 4) of a tile, 16-byte chunk ck of each of their 128-byte column blocks, by cp.async:
 // eight threads read 128 contiguous bytes of a row. Boxed (kv_map set): a prefix tile whose
 // 64 slots are consecutive rows of the pool instead lands as one box per column block, issued
-// by one thread: 9 instructions for the 2,304 16-byte copies and their addresses. Boxed is a
-// separate instantiation because the per-tile test costs the copy loop: with both paths in
-// one loop, scattered slots ran 7-13% slower on an H200 even with the boxes switched off.
-template <bool Boxed, typename T, typename Idx, typename SlotOf>
+// by one thread: 9 instructions for the 2,304 16-byte copies and their addresses. A CTA whose
+// first tile looks like a run (kv_runs) takes a copy loop that tests every tile; any other
+// runs one without the test: with both paths in one loop, scattered slots ran 7-13% slower
+// on an H200 even with the boxes switched off. Boxable = false compiles the second alone.
+template <bool Boxable, typename T, typename Idx, typename SlotOf>
 __device__ __forceinline__ void produce_rows(const VerifyParams<T>& p, const CUtensorMap* kv_map, uint32_t sK,
                                              SlotOf slot_of, const Idx* kv_indices, int q_begin, int prefix,
                                              int key_begin, int key_end, int n_pairs, int lt, uint32_t bar_q, bool& bad) {
@@ -368,6 +377,8 @@ __device__ __forceinline__ void produce_rows(const VerifyParams<T>& p, const CUt
   Idx slot[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) slot[i] = slot_of(key_of(0, i));
+  // The test's two loads go out behind the slots' loads: one memory latency before the first copy.
+  const bool boxed = Boxable && kv_runs<T>(kv_indices, prefix, key_begin, key_end);
   // Boxed: the first slot of each tile of the pair where its slots run consecutively inside
   // the pool, else -1. All 128 threads agree (one barrier), so one of them issues the boxes.
   int run[2] = {-1, -1};
@@ -382,56 +393,56 @@ __device__ __forceinline__ void produce_rows(const VerifyParams<T>& p, const CUt
     return bar_or<kBarRun, kWgThreads>(!mine) ? -1 : static_cast<int>(first);
   };
 
-  uint32_t free_parity = 1;  // a fresh barrier's "previous phase" counts as complete
+  auto copy_loop = [&](auto boxed_loop) {
+    constexpr bool Boxed = decltype(boxed_loop)::value;
+    uint32_t free_parity = 1;  // a fresh barrier's "previous phase" counts as complete
 #pragma unroll 1
-  for (int pr = 0; pr < n_pairs; ++pr) {
-    auto copy = [&](int tl, int cb0, int cb1, uint32_t bar) {
-      if (Boxed && run[tl] >= 0) {
-        if (lt == 0) {
-          mbar_expect_bytes(bar, (cb1 - cb0) * kBlockBytes);
-          for (int cb = cb0; cb < cb1; ++cb) box_load(sK + tl * kTileBytes + cb * kBlockBytes, kv_map, cb * 64, run[tl], bar);
-        } else {
-          mbar_arrive(bar);
+    for (int pr = 0; pr < n_pairs; ++pr) {
+      auto copy = [&](int tl, int cb0, int cb1, uint32_t bar) {
+        if (Boxed && run[tl] >= 0) {
+          if (lt == 0) {
+            mbar_expect_bytes(bar, (cb1 - cb0) * kBlockBytes);
+            for (int cb = cb0; cb < cb1; ++cb) box_load(sK + tl * kTileBytes + cb * kBlockBytes, kv_map, cb * 64, run[tl], bar);
+          } else {
+            mbar_arrive(bar);
+          }
+          return;
         }
-        return;
-      }
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int key = key_of(pr, 4 * tl + j);
-        const T* src = row_of(key, slot[4 * tl + j]) + ck * 8;
+        for (int j = 0; j < 4; ++j) {
+          const int key = key_of(pr, 4 * tl + j);
+          const T* src = row_of(key, slot[4 * tl + j]) + ck * 8;
 #pragma unroll
-        for (int cb = 0; cb < kCols; ++cb)
-          if (cb >= cb0 && cb < cb1)
-            cp_async16(sK + tl * kTileBytes + cb * kBlockBytes + 2048 * j + dst, src + cb * 64, key < key_end);
-      }
-      cp_async_arrive(bar);
-    };
-    // The order the consumers read them: WG0 dims 0-255 then 256-575 of the even tile; WG1
-    // 256-575 then 0-255 of the odd one (its dims 0-255 are freed last, by WG0's P V).
-    if constexpr (Boxed) run[0] = find_run(pr, 0);
-    mbar_wait(bar_free(0, 0), free_parity);
-    copy(0, 0, 4, bar_ready(0, 0));
-    if constexpr (Boxed) run[1] = find_run(pr, 1);
-    mbar_wait(bar_free(1, 1), free_parity);
-    copy(1, 4, kCols, bar_ready(1, 1));
-    mbar_wait(bar_free(0, 1), free_parity);
-    copy(0, 4, kCols, bar_ready(0, 1));
+          for (int cb = 0; cb < kCols; ++cb)
+            if (cb >= cb0 && cb < cb1)
+              cp_async16(sK + tl * kTileBytes + cb * kBlockBytes + 2048 * j + dst, src + cb * 64, key < key_end);
+        }
+        cp_async_arrive(bar);
+      };
+      // The order the consumers read them: WG0 dims 0-255 then 256-575 of the even tile; WG1
+      // 256-575 then 0-255 of the odd one (its dims 0-255 are freed last, by WG0's P V).
+      if constexpr (Boxed) run[0] = find_run(pr, 0);
+      mbar_wait(bar_free(0, 0), free_parity);
+      copy(0, 0, 4, bar_ready(0, 0));
+      if constexpr (Boxed) run[1] = find_run(pr, 1);
+      mbar_wait(bar_free(1, 1), free_parity);
+      copy(1, 4, kCols, bar_ready(1, 1));
+      mbar_wait(bar_free(0, 1), free_parity);
+      copy(0, 4, kCols, bar_ready(0, 1));
 #pragma unroll
-    for (int i = 0; i < 4; ++i) slot[i] = slot_of(key_of(pr + 1, i));
-    mbar_wait(bar_free(1, 0), free_parity);
-    copy(1, 0, 4, bar_ready(1, 0));
+      for (int i = 0; i < 4; ++i) slot[i] = slot_of(key_of(pr + 1, i));
+      mbar_wait(bar_free(1, 0), free_parity);
+      copy(1, 0, 4, bar_ready(1, 0));
 #pragma unroll
-    for (int i = 4; i < 8; ++i) slot[i] = slot_of(key_of(pr + 1, i));
-    free_parity ^= 1;
+      for (int i = 4; i < 8; ++i) slot[i] = slot_of(key_of(pr + 1, i));
+      free_parity ^= 1;
+    }
+  };
+  if (boxed) {
+    copy_loop(std::true_type{});
+  } else {
+    copy_loop(std::false_type{});
   }
-}
-
-// Whether this CTA's first tile is 64 prefix slots that look consecutive (its last is its
-// first + 63): the CTA then takes the boxed producer, which checks every tile in full.
-template <typename T, typename Idx>
-__device__ __forceinline__ bool kv_runs(const Idx* kv_indices, int prefix, int key_begin, int key_end) {
-  if (key_begin + kTileKeys > min(prefix, key_end)) return false;
-  return __ldg(kv_indices + key_begin + kTileKeys - 1) - __ldg(kv_indices + key_begin) == kTileKeys - 1;
 }
 
 #endif  // sm_90a
@@ -508,10 +519,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     };
     if constexpr (Fp8) {
       produce_fp8(p, sK, smem + kOffK, slot_of, q_begin, prefix, key_begin, key_end, n_pairs, lt, bar_q, bad, beyond);
-    } else if (Boxable && kv_runs<T>(kv_indices, prefix, key_begin, key_end)) {
-      produce_rows<true>(p, &kv_map, sK, slot_of, kv_indices, q_begin, prefix, key_begin, key_end, n_pairs, lt, bar_q, bad);
     } else {
-      produce_rows<false>(p, &kv_map, sK, slot_of, kv_indices, q_begin, prefix, key_begin, key_end, n_pairs, lt, bar_q, bad);
+      produce_rows<Boxable>(p, &kv_map, sK, slot_of, kv_indices, q_begin, prefix, key_begin, key_end, n_pairs, lt, bar_q, bad);
     }
     bar_or<kBarLoaded, kThreads>(bad);
     if constexpr (Fp8) bar_or<kBarLoaded, kThreads>(beyond);
