@@ -39,9 +39,11 @@ constexpr int kOffK = kTileBytes;
 constexpr int kOffS1 = kOffK + 2 * kTileBytes;
 constexpr int kOffMax = kOffS1 + kBlockBytes;    // [64] running max, handed WG0 -> WG1 -> WG0
 constexpr int kOffSum = kOffMax + kRows * 4;     // [2][64] each consumer's row sums
-// mbarriers: Q full, K ready [buf][half], K free [buf][half], K landed [buf][half] (fp8 pools)
+// mbarriers: Q full, K ready [buf][half], K free [buf][half], K landed [buf][half] (fp8 pools),
+// K ready [buf][column block] (the boxable instance: a box lands, and is read, block by block)
 constexpr int kOffBar = kOffSum + 2 * kRows * 4;
-constexpr int kOffTile = kOffBar + 8 * 13;
+constexpr int kBars = 13 + 2 * kCols;
+constexpr int kOffTile = kOffBar + 8 * kBars;
 // The dynamic shared window is only 16-byte aligned; swizzled blocks need 1024.
 constexpr int kSmemBytes = kOffTile + 8 + 1024;
 static_assert(kSmemBytes <= 227 * 1024, "must fit sm_90's 227 KB per block");
@@ -163,17 +165,21 @@ __device__ __forceinline__ void wgmma_pv_ss(float (&d)[128], uint64_t a, uint64_
 
 // S = Q K^T over column blocks [Cb0, Cb1) of K buffer `kbuf` (Zero: the batch's first op
 // overwrites S). A 16-dim step is +32 B inside a 128-byte swizzled block, then the next block.
-template <typename T, int Cb0, int Cb1, bool Zero>
-__device__ __forceinline__ void issue_qk(float (&s)[32], uint32_t sQ, uint32_t kbuf) {
+// wait_block(cb) runs before the products of every block after the first (which the caller
+// has waited for).
+template <typename T, int Cb0, int Cb1, bool Zero, typename WaitBlock>
+__device__ __forceinline__ void issue_qk(float (&s)[32], uint32_t sQ, uint32_t kbuf, WaitBlock wait_block) {
   const uint64_t qd = make_desc(sQ, 16, 1024), kd = make_desc(kbuf, 16, 1024);
 #pragma unroll
-  for (int cb = Cb0; cb < Cb1; ++cb)
+  for (int cb = Cb0; cb < Cb1; ++cb) {
+    if (cb > Cb0) wait_block(cb);
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
       const uint32_t off = (cb * kBlockBytes + kk * 32) >> 4;
       if (Zero && cb == Cb0 && kk == 0) wgmma_qk<T, false>(s, qd + off, kd + off);
       else wgmma_qk<T, true>(s, qd + off, kd + off);
     }
+  }
 }
 // O += P V for one 64-key tile: V = dims [256h, 256h + 256) of a K buffer, 16 keys (2 KB of
 // 8-key groups) per step.
@@ -361,6 +367,7 @@ __device__ __forceinline__ void produce_rows(const VerifyParams<T>& p, const CUt
   const uint32_t dst = grp * 128 + ((ck ^ (grp & 7)) << 4);  // (grp + 16 j) & 7 == grp & 7
   auto bar_ready = [&](int buf, int half) { return bar_q + 8 * (1 + 2 * buf + half); };
   auto bar_free = [&](int buf, int half) { return bar_q + 8 * (5 + 2 * buf + half); };
+  auto bar_block = [&](int buf, int cb) { return bar_q + 8 * (13 + kCols * buf + cb); };
   // Key of this thread's row i (tile i / 4, row grp + 16 (i % 4)) of a pair; the prefix slot
   // behind it (0 for a tree key or past the end), as loaded: checked only where a copy uses
   // it, half a pair later, so no instruction waits on the load before then.
@@ -398,13 +405,22 @@ __device__ __forceinline__ void produce_rows(const VerifyParams<T>& p, const CUt
     uint32_t free_parity = 1;  // a fresh barrier's "previous phase" counts as complete
 #pragma unroll 1
     for (int pr = 0; pr < n_pairs; ++pr) {
-      auto copy = [&](int tl, int cb0, int cb1, uint32_t bar) {
+      // Half `half` (dims 0-255: column blocks 0-3; 256-575: 4-8) of tile tl. In the boxed
+      // loop each column block completes on a barrier of its own: a boxed half's blocks land one
+      // by one and the consumers start on each as soon as it is there (from HBM, a half's 32-40
+      // KB take about a thousand clocks to stream in); a copied half arrives on all its blocks'
+      // barriers once the whole half has landed, so the consumers' one proxy fence per half
+      // covers every block.
+      auto copy = [&](int tl, int half) {
+        const int cb0 = half ? 4 : 0, cb1 = half ? kCols : 4;
         if (Boxed && run[tl] >= 0) {
-          if (lt == 0) {
-            mbar_expect_bytes(bar, (cb1 - cb0) * kBlockBytes);
-            for (int cb = cb0; cb < cb1; ++cb) box_load(sK + tl * kTileBytes + cb * kBlockBytes, kv_map, cb * 64, run[tl], bar);
-          } else {
-            mbar_arrive(bar);
+          for (int cb = cb0; cb < cb1; ++cb) {
+            if (lt == 0) {
+              mbar_expect_bytes(bar_block(tl, cb), kBlockBytes);
+              box_load(sK + tl * kTileBytes + cb * kBlockBytes, kv_map, cb * 64, run[tl], bar_block(tl, cb));
+            } else {
+              mbar_arrive(bar_block(tl, cb));
+            }
           }
           return;
         }
@@ -417,22 +433,26 @@ __device__ __forceinline__ void produce_rows(const VerifyParams<T>& p, const CUt
             if (cb >= cb0 && cb < cb1)
               cp_async16(sK + tl * kTileBytes + cb * kBlockBytes + 2048 * j + dst, src + cb * 64, key < key_end);
         }
-        cp_async_arrive(bar);
+        if constexpr (Boxed) {  // the consumers wait as kv_runs tells them which loop runs
+          for (int cb = cb0; cb < cb1; ++cb) cp_async_arrive(bar_block(tl, cb));
+        } else {
+          cp_async_arrive(bar_ready(tl, half));
+        }
       };
       // The order the consumers read them: WG0 dims 0-255 then 256-575 of the even tile; WG1
       // 256-575 then 0-255 of the odd one (its dims 0-255 are freed last, by WG0's P V).
       if constexpr (Boxed) run[0] = find_run(pr, 0);
       mbar_wait(bar_free(0, 0), free_parity);
-      copy(0, 0, 4, bar_ready(0, 0));
+      copy(0, 0);
       if constexpr (Boxed) run[1] = find_run(pr, 1);
       mbar_wait(bar_free(1, 1), free_parity);
-      copy(1, 4, kCols, bar_ready(1, 1));
+      copy(1, 1);
       mbar_wait(bar_free(0, 1), free_parity);
-      copy(0, 4, kCols, bar_ready(0, 1));
+      copy(0, 1);
 #pragma unroll
       for (int i = 0; i < 4; ++i) slot[i] = slot_of(key_of(pr + 1, i));
       mbar_wait(bar_free(1, 0), free_parity);
-      copy(1, 0, 4, bar_ready(1, 0));
+      copy(1, 0);
 #pragma unroll
       for (int i = 4; i < 8; ++i) slot[i] = slot_of(key_of(pr + 1, i));
       free_parity ^= 1;
@@ -463,6 +483,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t bar_q = s_base + kOffBar;
   auto bar_ready = [&](int buf, int half) { return bar_q + 8 * (1 + 2 * buf + half); };
   auto bar_free = [&](int buf, int half) { return bar_q + 8 * (5 + 2 * buf + half); };
+  auto bar_block = [&](int buf, int cb) { return bar_q + 8 * (13 + kCols * buf + cb); };
   int* s_tile = reinterpret_cast<int*>(smem + kOffTile);
 
   const int tid = threadIdx.x, wg = tid / kWgThreads, lt = tid % kWgThreads;
@@ -476,7 +497,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   if (tid == 32) {
     mbar_init(bar_q, kWgThreads);
-    for (int i = 0; i < 12; ++i) mbar_init(bar_q + 8 * (1 + i), kWgThreads);
+    for (int i = 1; i < kBars; ++i) mbar_init(bar_q + 8 * i, kWgThreads);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -539,6 +560,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     // float32 and k_scale the output (Fp8Math). The consumers convert Q in place once it lands.
     const float k_scale = Fp8 ? kv_scale(p) : 1.f;
     float q_factor = 1.f;
+    // Which copy loop the producer runs (the same test): its two loads go out before Q's wait.
+    const bool block_bars =
+        Boxable && kv_runs<T>(static_cast<const Idx*>(p.kv_indices) + kv_begin, prefix, key_begin, key_end);
     mbar_wait(bar_q, 0);
     if constexpr (Fp8 && std::is_same_v<T, __nv_bfloat16>) {
       constexpr int kPerThread = kTileBytes / 16 / (2 * kWgThreads);
@@ -644,19 +668,31 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Running max (log2 domain) of rows rA, rB, and this thread's share of their sums.
     float runA = kMaxInit, runB = kMaxInit, lA = 0.f, lB = 0.f;
 
+    // K ready for a half of buffer `buf`: where the producer runs its boxed loop its first
+    // column block, else the half; then the proxy fence for rows copied by cp.async (a copied
+    // half lands whole before any of its barriers completes, so one fence covers it; boxes need
+    // none). blocks_of waits for each further block as the products reach it.
+    auto wait_half = [&](int buf, int half, uint32_t parity) {
+      mbar_wait(block_bars ? bar_block(buf, half ? 4 : 0) : bar_ready(buf, half), parity);
+      fence_proxy_async();
+    };
+    auto blocks_of = [&](int buf, uint32_t parity) {
+      return [=](int cb) {
+        if (block_bars) mbar_wait(bar_block(buf, cb), parity);
+      };
+    };
+
     if (wg == 0) {
       const uint64_t v0 = v_desc(sK, 0), v1 = v_desc(sK + kTileBytes, 0);
 #pragma unroll 1
       for (int pr = 0; pr < n_pairs; ++pr) {
         const uint32_t parity = pr & 1;
         if (pr == 0) {
-          mbar_wait(bar_ready(0, 0), 0);
-          fence_proxy_async();
+          wait_half(0, 0, 0);
           wgmma_fence();
-          issue_qk<M, 0, 4, true>(s, sQ, sK);
-          mbar_wait(bar_ready(0, 1), 0);
-          fence_proxy_async();
-          issue_qk<M, 4, kCols, false>(s, sQ, sK);
+          issue_qk<M, 0, 4, true>(s, sQ, sK, blocks_of(0, 0));
+          wait_half(0, 1, 0);
+          issue_qk<M, 4, kCols, false>(s, sQ, sK, blocks_of(0, 0));
           wgmma_commit();
           wgmma_wait<0>();
           fence_regs(s);
@@ -714,16 +750,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma_commit();
         if (pr + 1 < n_pairs) {
           // the next even tile's S while P1 V1 runs
-          mbar_wait(bar_ready(0, 0), parity ^ 1);
-          fence_proxy_async();
+          wait_half(0, 0, parity ^ 1);
           wgmma_fence();
-          issue_qk<M, 0, 4, true>(s, sQ, sK);
+          issue_qk<M, 0, 4, true>(s, sQ, sK, blocks_of(0, parity ^ 1));
           wgmma_commit();
           wgmma_wait<1>();
           mbar_arrive(bar_free(1, 0));
-          mbar_wait(bar_ready(0, 1), parity ^ 1);
-          fence_proxy_async();
-          issue_qk<M, 4, kCols, false>(s, sQ, sK);
+          wait_half(0, 1, parity ^ 1);
+          issue_qk<M, 4, kCols, false>(s, sQ, sK, blocks_of(0, parity ^ 1));
           wgmma_commit();
           wgmma_wait<0>();
           fence_regs(s);
@@ -739,13 +773,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll 1
       for (int pr = 0; pr < n_pairs; ++pr) {
         const uint32_t parity = pr & 1;
-        mbar_wait(bar_ready(1, 1), parity);
-        fence_proxy_async();
+        wait_half(1, 1, parity);
         wgmma_fence();
-        issue_qk<M, 4, kCols, true>(s, sQ, sK + kTileBytes);
-        mbar_wait(bar_ready(1, 0), parity);
-        fence_proxy_async();
-        issue_qk<M, 0, 4, false>(s, sQ, sK + kTileBytes);
+        issue_qk<M, 4, kCols, true>(s, sQ, sK + kTileBytes, blocks_of(1, parity));
+        wait_half(1, 0, parity);
+        issue_qk<M, 0, 4, false>(s, sQ, sK + kTileBytes, blocks_of(1, parity));
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(s);
