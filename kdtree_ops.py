@@ -981,7 +981,8 @@ def verify_attn(
     ``48`` or ``64`` forces one (48 or 64 keeps sm_90's fp8 requests on the Hopper kernel).
     On sm_90 a 16-bit pool's 64-key tiles whose slots are consecutive pool rows (a page of a
     paged pool, a run an allocator handed out) load as tensor-map boxes, checked on the device
-    tile by tile; ``KDTREE_VERIFY_TMA=0`` copies every row by slot.
+    tile by tile, wherever ``max_kv_len`` does not cut the prefix below 256 keys a split;
+    ``KDTREE_VERIFY_TMA=0`` copies every row by slot.
     Each variable is read at every call, so also when a CUDA graph is captured.
 
     Parameters

@@ -1318,28 +1318,33 @@ def test_verify_attn_cuda_boxes_change_no_bits(layout, monkeypatch):
     bit for bit with the boxes on and off (KDTREE_VERIFY_TMA=0)."""
     for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA", "KDTREE_VERIFY_ROWS", "KDTREE_VERIFY_TMA"):
         monkeypatch.delenv(name, raising=False)
-    case = make_verify_case([5000, 300, 64], [9, 1, 5], 16, slots=layout)
-    out, lse = kdtree_ops.verify_attn(*verify_args(case), max_kv_len=5000)
+    case = make_verify_case([12000, 300, 64], [9, 1, 5], 16, slots=layout)
+    out, lse = kdtree_ops.verify_attn(*verify_args(case), max_kv_len=12000)
     monkeypatch.setenv("KDTREE_VERIFY_TMA", "0")
-    out0, lse0 = kdtree_ops.verify_attn(*verify_args(case), max_kv_len=5000)
+    out0, lse0 = kdtree_ops.verify_attn(*verify_args(case), max_kv_len=12000)
     assert torch.equal(out, out0) and torch.equal(lse, lse0)
     assert_verify_close(out, lse, case)
 
 
 @pytest.mark.skipif(not GPU or torch.cuda.get_device_capability() != (9, 0), reason="the Hopper kernels serve sm_90 only")
-@pytest.mark.parametrize("pool,tma,want", [
-    ("q_dtype", "", "false, true"),  # a 16-bit pool: the instance with the boxed producer
-    ("q_dtype", "0", "false, false"),  # KDTREE_VERIFY_TMA=0: per-slot copies only
-    ("uint8", "", "true, false"),  # an fp8 pool: no boxes
+@pytest.mark.parametrize("pool,tma,prefix,hint,want", [
+    ("q_dtype", "", 3000, None, "false, true"),  # a 16-bit pool: the instance with the boxed producer
+    ("q_dtype", "", 12000, 12000, "false, true"),  # 3 row tiles x 44 splits of 273 keys: 2+ tile pairs a CTA
+    ("q_dtype", "", 4096, 4096, "false, false"),  # the hint caps splits at 32 of 128 keys: one pair, no boxes
+    ("q_dtype", "0", 3000, None, "false, false"),  # KDTREE_VERIFY_TMA=0: per-slot copies only
+    ("uint8", "", 3000, None, "true, false"),  # an fp8 pool: no boxes
 ])
-def test_verify_attn_cuda_sm90_boxable_instance(pool, tma, want, monkeypatch):
-    """Which seesaw instance serves a call, read off the kernel's template arguments (Fp8, Boxable)."""
+def test_verify_attn_cuda_sm90_boxable_instance(pool, tma, prefix, hint, want, monkeypatch):
+    """Which seesaw instance serves a call, read off the kernel's template arguments (Fp8, Boxable):
+    boxes only where the hint gives each CTA at least two 64-key tile pairs."""
     for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA", "KDTREE_VERIFY_ROWS"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("KDTREE_VERIFY_TMA", raising=False)
     if tma:
         monkeypatch.setenv("KDTREE_VERIFY_TMA", tma)
-    case, kw, ref = with_pool(make_verify_case([3000], [9], 16, slots="pages"), pool)
+    case, kw, ref = with_pool(make_verify_case([prefix], [9], 16, slots="pages"), pool)
+    if hint:
+        kw["max_kv_len"] = hint
     (out, lse), names = launched_kernels(lambda: kdtree_ops.verify_attn(*verify_args(case), **kw))
     assert [n for n in names if "seesaw_kernel<" in n and f", {want}>" in n], names
     assert_verify_close(out, lse, ref)

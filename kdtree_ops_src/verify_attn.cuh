@@ -270,11 +270,12 @@ enum class VerifyKernel {
 // (fp8_small_rows). Read at every call.
 VerifyKernel pick_verify_kernel(double sm_scale, bool fp8, bool fp8_small_rows);
 
-// Launches the wgmma or the seesaw kernel (not kPortable).
+// Launches the wgmma or the seesaw kernel (not kPortable). boxes: the seesaw kernel may load
+// a 16-bit pool's consecutive slots as tensor-map boxes (the instance with the boxed producer).
 template <typename T>
-void launch_verify_attn_sm90(VerifyKernel kernel, const VerifyParams<T>& p, bool idx32, dim3 grid,
+void launch_verify_attn_sm90(VerifyKernel kernel, const VerifyParams<T>& p, bool idx32, bool boxes, dim3 grid,
                              cudaStream_t stream);
 template <typename T>
-void launch_verify_attn_seesaw(const VerifyParams<T>& p, bool idx32, dim3 grid, cudaStream_t stream);
+void launch_verify_attn_seesaw(const VerifyParams<T>& p, bool idx32, bool boxes, dim3 grid, cudaStream_t stream);
 
 }  // namespace kdtree

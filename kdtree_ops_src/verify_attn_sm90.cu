@@ -502,9 +502,10 @@ VerifyKernel pick_verify_kernel(double sm_scale, bool fp8, bool fp8_small_rows) 
 }
 
 template <typename T>
-void launch_verify_attn_sm90(VerifyKernel which, const VerifyParams<T>& p, bool idx32, dim3 grid, cudaStream_t stream) {
+void launch_verify_attn_sm90(VerifyKernel which, const VerifyParams<T>& p, bool idx32, bool boxes, dim3 grid,
+                             cudaStream_t stream) {
   if (which == VerifyKernel::kSeesaw) {
-    launch_verify_attn_seesaw(p, idx32, grid, stream);
+    launch_verify_attn_seesaw(p, idx32, boxes, grid, stream);
     return;
   }
   auto kernel = idx32 ? verify_attn_sm90_kernel<T, int32_t> : verify_attn_sm90_kernel<T, int64_t>;
@@ -513,7 +514,8 @@ void launch_verify_attn_sm90(VerifyKernel which, const VerifyParams<T>& p, bool 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template void launch_verify_attn_sm90<__nv_bfloat16>(VerifyKernel, const VerifyParams<__nv_bfloat16>&, bool, dim3, cudaStream_t);
-template void launch_verify_attn_sm90<__half>(VerifyKernel, const VerifyParams<__half>&, bool, dim3, cudaStream_t);
+template void launch_verify_attn_sm90<__nv_bfloat16>(VerifyKernel, const VerifyParams<__nv_bfloat16>&, bool, bool, dim3,
+                                                     cudaStream_t);
+template void launch_verify_attn_sm90<__half>(VerifyKernel, const VerifyParams<__half>&, bool, bool, dim3, cudaStream_t);
 
 }  // namespace kdtree

@@ -8,7 +8,9 @@
 //    with their own ready/free mbarriers, so a half is refilled as soon as its last reader is
 //    done. Slot indices are loaded a pair ahead of the rows they address, so no gather waits
 //    on an index load. A 16-bit pool's tile of 64 consecutive slots (page size 1 does not
-//    promise them, but paged pools and long prompts give them) lands as tensor-map boxes.
+//    promise them, but paged pools and long prompts give them) lands as tensor-map boxes,
+//    each 64-dim column block on a barrier of its own, which the consumers wait for block by
+//    block.
 //  - WG0 and WG1, the consumers: WG0 computes S = Q K^T for the even tile of each pair (K
 //    buffer 0), WG1 for the odd tile (buffer 1), each with the full 64 x 64 x 576 product.
 //    WG0 owns O[:, 0:256), WG1 O[:, 256:512). Each runs the softmax of its own tile and
@@ -903,11 +905,11 @@ bool encode_kv_map(const VerifyParams<T>& p, CUtensorMap& map) {
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// KDTREE_VERIFY_TMA=0 keeps every tile on cp.async.
+// KDTREE_VERIFY_TMA=0 (or boxes = false) keeps every tile on cp.async.
 template <typename T>
-void launch_verify_attn_seesaw(const VerifyParams<T>& p, bool idx32, dim3 grid, cudaStream_t stream) {
+void launch_verify_attn_seesaw(const VerifyParams<T>& p, bool idx32, bool boxes, dim3 grid, cudaStream_t stream) {
   CUtensorMap kv_map{};
-  const bool boxable = p.kv8 == nullptr && env_flag("KDTREE_VERIFY_TMA", true) && encode_kv_map(p, kv_map);
+  const bool boxable = boxes && p.kv8 == nullptr && env_flag("KDTREE_VERIFY_TMA", true) && encode_kv_map(p, kv_map);
   auto kernel = p.kv8    ? (idx32 ? verify_attn_seesaw_kernel<T, int32_t, true, false> : verify_attn_seesaw_kernel<T, int64_t, true, false>)
                 : boxable ? (idx32 ? verify_attn_seesaw_kernel<T, int32_t, false, true> : verify_attn_seesaw_kernel<T, int64_t, false, true>)
                           : (idx32 ? verify_attn_seesaw_kernel<T, int32_t, false, false> : verify_attn_seesaw_kernel<T, int64_t, false, false>);
@@ -916,7 +918,7 @@ void launch_verify_attn_seesaw(const VerifyParams<T>& p, bool idx32, dim3 grid, 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template void launch_verify_attn_seesaw<__nv_bfloat16>(const VerifyParams<__nv_bfloat16>&, bool, dim3, cudaStream_t);
-template void launch_verify_attn_seesaw<__half>(const VerifyParams<__half>&, bool, dim3, cudaStream_t);
+template void launch_verify_attn_seesaw<__nv_bfloat16>(const VerifyParams<__nv_bfloat16>&, bool, bool, dim3, cudaStream_t);
+template void launch_verify_attn_seesaw<__half>(const VerifyParams<__half>&, bool, bool, dim3, cudaStream_t);
 
 }  // namespace kdtree
