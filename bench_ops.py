@@ -1266,10 +1266,128 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 1 if failures else 0
 
 
+AB_SHAPES = "1x16x9x4096,1x16x9x32768,1x16x9x131072,1x128x9x131072,1x128x1x131072,1x128x65x32768,1x16x257x32768,8x16x9x65536,64x128x1x8192,64x16x1x8192,16x16x4x32768"
+
+
+def ab(argv: Sequence[str]) -> int:
+    """``python bench_ops.py ab NAME:SETTINGS ...``: verify_attn under several settings of its
+    KDTREE_VERIFY_* variables (read at every call, so one build serves them all), timed side by
+    side on the same inputs: one call per CUDA graph, replayed after a 512 MB write (cold L2),
+    median of --reps replays, --rounds rounds with the variants interleaved; every variant's
+    output is compared bit for bit with the first's, and the first's with a float32 reference
+    on up to two requests. SETTINGS: VAR=VALUE pairs joined by commas (empty: the defaults)."""
+    parser = argparse.ArgumentParser(prog="python bench_ops.py ab", description=ab.__doc__)
+    parser.add_argument("variants", nargs="+", help="NAME:VAR=VALUE,VAR=VALUE (e.g. 'plain:KDTREE_VERIFY_TMA=0')")
+    parser.add_argument("--shapes", default=AB_SHAPES, help="BxHxNODESxCONTEXT, comma-separated")
+    parser.add_argument("--layouts", default="pages,scattered", help="prefix slot layouts (testkit.prefix_slots)")
+    parser.add_argument("--pool", choices=("bf16", "fp8"), default="bf16")
+    parser.add_argument("--tree", action="store_true", help="random trees (default: causal chains, no mask)")
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--json", help="write every timing here")
+    args = parser.parse_args(argv)
+    if not cuda_available():
+        print("kdtree_ops: ab needs a CUDA GPU and the built kernels", file=sys.stderr)
+        return 2
+    variants = {}
+    for spec in args.variants:
+        name, _, settings = spec.partition(":")
+        variants[name] = dict(kv.split("=", 1) for kv in settings.split(",") if kv)
+    knobs = {k for v in variants.values() for k in v}
+    flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+    scale, k_scale = 1.0 / math.sqrt(192), 0.5
+    gpu = torch.Generator(device="cuda").manual_seed(1234)
+    cpu = torch.Generator().manual_seed(1234)
+    rows_out = []
+    for shape in args.shapes.split(","):
+        B, H, N, ctx = (int(x) for x in shape.split("x"))
+        flops = 2 * B * N * H * (ctx + (N + 1) / 2) * (MLA_QK_DIM + MLA_V_DIM)
+        for layout in args.layouts.split(","):
+            slots, S = testkit.prefix_slots([ctx] * B, layout, None, cpu)
+            kv = torch.randn(S, MLA_QK_DIM, device="cuda", dtype=torch.bfloat16, generator=gpu)
+            kv_pool = testkit.e4m3_bytes(kv, k_scale) if args.pool == "fp8" else kv
+            q = torch.randn(B * N, H, MLA_QK_DIM, device="cuda", dtype=torch.bfloat16, generator=gpu)
+            tree_k = torch.randn(B * N, MLA_QK_DIM, device="cuda", dtype=torch.bfloat16, generator=gpu)
+            kv_indptr = torch.arange(B + 1, device="cuda", dtype=torch.int32) * ctx
+            qo_indptr = torch.arange(B + 1, device="cuda", dtype=torch.int32) * N
+            kv_indices = slots.to(device="cuda", dtype=torch.int32)
+            visible = torch.cat([testkit.random_tree_mask(N, cpu) if args.tree else torch.ones(N, N, dtype=torch.bool).tril()
+                                 for _ in range(B)])
+            mask = pack_tree_mask(visible.cuda()) if args.tree else None
+            kw = {"k_scale": k_scale} if args.pool == "fp8" else {}
+            out = torch.empty(B * N, H, MLA_V_DIM, device="cuda", dtype=torch.bfloat16)
+            lse = torch.empty(B * N, H, device="cuda", dtype=torch.float32)
+
+            def call():
+                verify_attn(q, kv_pool, kv_indptr, kv_indices, qo_indptr, tree_k, mask, scale, out=out, lse=lse,
+                            max_kv_len=ctx, **kw)
+
+            times, outs = {name: [] for name in variants}, {}
+            for r in range(args.rounds):
+                for name, settings in variants.items():
+                    saved = {k: os.environ.pop(k, None) for k in knobs}
+                    os.environ.update(settings)
+                    try:
+                        out.fill_(math.nan)
+                        side = torch.cuda.Stream()
+                        side.wait_stream(torch.cuda.current_stream())
+                        with torch.cuda.stream(side):  # warm-up: the build, the kernel's attributes
+                            call()
+                        torch.cuda.current_stream().wait_stream(side)
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph):
+                            call()
+                    finally:
+                        for k, v in saved.items():
+                            os.environ.pop(k, None)
+                            if v is not None:
+                                os.environ[k] = v
+                    ms = []
+                    for _ in range(args.reps):
+                        flush.fill_(1)
+                        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        st.record()
+                        graph.replay()
+                        en.record()
+                        en.synchronize()
+                        ms.append(st.elapsed_time(en))
+                    times[name].append(statistics.median(ms))
+                    if r == 0:
+                        outs[name] = out.clone()
+            first = next(iter(variants))
+            err = math.nan
+            if ctx * N * H <= 2**28:  # a float32 reference of up to two requests
+                keys = kv.float() if args.pool == "bf16" else kv_pool.view(torch.float8_e4m3fn).float() * k_scale
+                errs = []
+                for b in range(min(B, 2)):
+                    K = torch.cat([keys[kv_indices[b * ctx:(b + 1) * ctx].long()], tree_k[b * N:(b + 1) * N].float()])
+                    sees = torch.cat([torch.ones(N, ctx, dtype=torch.bool), visible[b * N:(b + 1) * N]], 1).cuda()
+                    sc = torch.einsum("nhd,ld->nhl", q[b * N:(b + 1) * N].float(), K) * scale
+                    ref = torch.einsum("nhl,lv->nhv", sc.masked_fill(~sees[:, None], -math.inf).softmax(-1), K[:, :MLA_V_DIM])
+                    errs.append(rel_err(outs[first][b * N:(b + 1) * N], ref))
+                err = max(errs)
+            row = {"shape": [B, H, N, ctx], "layout": layout, "pool": args.pool, "tree": args.tree, "rel_err": err,
+                   **{name: statistics.mean(t) for name, t in times.items()},
+                   "rounds": times, "same_bits": {name: bool(torch.equal(o, outs[first])) for name, o in outs.items()}}
+            rows_out.append(row)
+            cells = " | ".join(f"{name} {row[name]:.4f} ms ({row[first] / row[name]:.3f}x{'' if row['same_bits'][name] else ', other bits'})"
+                               for name in variants)
+            print(f"{B}x{H}x{N} @{ctx} {args.pool} {layout}: rel err {err:.1e} | {cells} | {flops / row[first] / 1e9:.0f} TFLOP/s",
+                  flush=True)
+            del kv, kv_pool, out, lse, outs
+            torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows_out, f, indent=1)
+    return 0
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["plot"]:
         if len(sys.argv) != 4:
             sys.exit("usage: python bench_ops.py plot BENCH_JSON OUT_PNG")
         plot(sys.argv[2], sys.argv[3])
+    elif sys.argv[1:2] == ["ab"]:
+        sys.exit(ab(sys.argv[2:]))
     else:
         sys.exit(main())
