@@ -624,6 +624,16 @@ def eager_step_ms(backend, fb, step, budget_ms: float = 600.0) -> float:
     return statistics.median(times[1:])
 
 
+def one_replay_ms(graph) -> float:
+    """Milliseconds of one replay of a captured graph, CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def graph_replay_ms(graph, budget_ms: float = 600.0) -> float:
     """Median milliseconds of one replay, CUDA events."""
     graph.replay()
@@ -631,12 +641,7 @@ def graph_replay_ms(graph, budget_ms: float = 600.0) -> float:
     times = []
     reps = 3
     while len(times) < reps:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(one_replay_ms(graph))
         if len(times) == 1:
             reps = max(5, min(100, int(budget_ms / max(times[0], 1e-3))))
     return statistics.median(times)
@@ -1345,12 +1350,7 @@ def ab(argv: Sequence[str]) -> int:
                     ms = []
                     for _ in range(args.reps):
                         flush.fill_(1)
-                        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        st.record()
-                        graph.replay()
-                        en.record()
-                        en.synchronize()
-                        ms.append(st.elapsed_time(en))
+                        ms.append(one_replay_ms(graph))
                     times[name].append(statistics.median(ms))
                     if r == 0:
                         outs[name] = out.clone()
