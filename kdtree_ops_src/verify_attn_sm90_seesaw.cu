@@ -61,6 +61,10 @@ constexpr int kPairKeys = 2 * kTileKeys;
 constexpr int kConsumerRegs = 224, kProducerRegs = 56;
 // The first max of a row: finite, so that no -inf - -inf appears; below every real score.
 constexpr float kMaxInit = -1e30f;
+// The K mbarriers' addresses (the layout at kOffBar; bar_q = the first, Q full).
+__device__ __forceinline__ uint32_t k_ready_bar(uint32_t bar_q, int buf, int half) { return bar_q + 8 * (1 + 2 * buf + half); }
+__device__ __forceinline__ uint32_t k_free_bar(uint32_t bar_q, int buf, int half) { return bar_q + 8 * (5 + 2 * buf + half); }
+__device__ __forceinline__ uint32_t k_block_bar(uint32_t bar_q, int buf, int cb) { return bar_q + 8 * (13 + kCols * buf + cb); }
 // Named barriers between the two consumers (256 threads; 0 is __syncthreads).
 constexpr int kBarMax0 = 1, kBarMax1 = 2, kBarP0 = 3, kBarP1 = 4, kBarSum = 5;
 // The producer's last copy issued -> the consumers' epilogue, with whether it met a slot
@@ -367,9 +371,9 @@ __device__ __forceinline__ void produce_rows(const VerifyParams<T>& p, const CUt
                                              int key_begin, int key_end, int n_pairs, int lt, uint32_t bar_q, bool& bad) {
   const int grp = lt >> 3, ck = lt & 7;
   const uint32_t dst = grp * 128 + ((ck ^ (grp & 7)) << 4);  // (grp + 16 j) & 7 == grp & 7
-  auto bar_ready = [&](int buf, int half) { return bar_q + 8 * (1 + 2 * buf + half); };
-  auto bar_free = [&](int buf, int half) { return bar_q + 8 * (5 + 2 * buf + half); };
-  auto bar_block = [&](int buf, int cb) { return bar_q + 8 * (13 + kCols * buf + cb); };
+  auto bar_ready = [&](int buf, int half) { return k_ready_bar(bar_q, buf, half); };
+  auto bar_free = [&](int buf, int half) { return k_free_bar(bar_q, buf, half); };
+  auto bar_block = [&](int buf, int cb) { return k_block_bar(bar_q, buf, cb); };
   // Key of this thread's row i (tile i / 4, row grp + 16 (i % 4)) of a pair; the prefix slot
   // behind it (0 for a tree key or past the end), as loaded: checked only where a copy uses
   // it, half a pair later, so no instruction waits on the load before then.
@@ -483,9 +487,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* s_max = reinterpret_cast<float*>(smem + kOffMax);
   float* s_sum = reinterpret_cast<float*>(smem + kOffSum);
   const uint32_t bar_q = s_base + kOffBar;
-  auto bar_ready = [&](int buf, int half) { return bar_q + 8 * (1 + 2 * buf + half); };
-  auto bar_free = [&](int buf, int half) { return bar_q + 8 * (5 + 2 * buf + half); };
-  auto bar_block = [&](int buf, int cb) { return bar_q + 8 * (13 + kCols * buf + cb); };
+  auto bar_ready = [&](int buf, int half) { return k_ready_bar(bar_q, buf, half); };
+  auto bar_free = [&](int buf, int half) { return k_free_bar(bar_q, buf, half); };
+  auto bar_block = [&](int buf, int cb) { return k_block_bar(bar_q, buf, cb); };
   int* s_tile = reinterpret_cast<int*>(smem + kOffTile);
 
   const int tid = threadIdx.x, wg = tid / kWgThreads, lt = tid % kWgThreads;
