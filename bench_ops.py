@@ -1283,7 +1283,8 @@ def ab(argv: Sequence[str]) -> int:
     on up to two requests. SETTINGS: VAR=VALUE pairs joined by commas (empty: the defaults)."""
     parser = argparse.ArgumentParser(prog="python bench_ops.py ab", description=ab.__doc__)
     parser.add_argument("variants", nargs="+", help="NAME:VAR=VALUE,VAR=VALUE (e.g. 'plain:KDTREE_VERIFY_TMA=0')")
-    parser.add_argument("--shapes", default=AB_SHAPES, help="BxHxNODESxCONTEXT, comma-separated")
+    parser.add_argument("--shapes", default=AB_SHAPES,
+                        help="BxHxNODESxCONTEXT, comma-separated; CONTEXT as LO-HI spreads the B requests' lengths evenly from LO to HI")
     parser.add_argument("--layouts", default="pages,scattered", help="prefix slot layouts (testkit.prefix_slots)")
     parser.add_argument("--pool", choices=("bf16", "fp8"), default="bf16")
     parser.add_argument("--tree", action="store_true", help="random trees (default: causal chains, no mask)")
@@ -1305,15 +1306,19 @@ def ab(argv: Sequence[str]) -> int:
     cpu = torch.Generator().manual_seed(1234)
     rows_out = []
     for shape in args.shapes.split(","):
-        B, H, N, ctx = (int(x) for x in shape.split("x"))
-        flops = 2 * B * N * H * (ctx + (N + 1) / 2) * (MLA_QK_DIM + MLA_V_DIM)
+        B, H, N, ctx_spec = shape.split("x")
+        B, H, N = int(B), int(H), int(N)
+        lo, _, hi = ctx_spec.partition("-")
+        lens = [int(lo) + (int(hi or lo) - int(lo)) * b // max(B - 1, 1) for b in range(B)]
+        ctx, starts = max(lens), [sum(lens[:b]) for b in range(B + 1)]
+        flops = 2 * N * H * (sum(lens) + B * (N + 1) / 2) * (MLA_QK_DIM + MLA_V_DIM)
         for layout in args.layouts.split(","):
-            slots, S = testkit.prefix_slots([ctx] * B, layout, None, cpu)
+            slots, S = testkit.prefix_slots(lens, layout, None, cpu)
             kv = torch.randn(S, MLA_QK_DIM, device="cuda", dtype=torch.bfloat16, generator=gpu)
             kv_pool = testkit.e4m3_bytes(kv, k_scale) if args.pool == "fp8" else kv
             q = torch.randn(B * N, H, MLA_QK_DIM, device="cuda", dtype=torch.bfloat16, generator=gpu)
             tree_k = torch.randn(B * N, MLA_QK_DIM, device="cuda", dtype=torch.bfloat16, generator=gpu)
-            kv_indptr = torch.arange(B + 1, device="cuda", dtype=torch.int32) * ctx
+            kv_indptr = torch.tensor(starts, device="cuda", dtype=torch.int32)
             qo_indptr = torch.arange(B + 1, device="cuda", dtype=torch.int32) * N
             kv_indices = slots.to(device="cuda", dtype=torch.int32)
             visible = torch.cat([testkit.random_tree_mask(N, cpu) if args.tree else torch.ones(N, N, dtype=torch.bool).tril()
@@ -1360,19 +1365,19 @@ def ab(argv: Sequence[str]) -> int:
                 keys = kv.float() if args.pool == "bf16" else kv_pool.view(torch.float8_e4m3fn).float() * k_scale
                 errs = []
                 for b in range(min(B, 2)):
-                    K = torch.cat([keys[kv_indices[b * ctx:(b + 1) * ctx].long()], tree_k[b * N:(b + 1) * N].float()])
-                    sees = torch.cat([torch.ones(N, ctx, dtype=torch.bool), visible[b * N:(b + 1) * N]], 1).cuda()
+                    K = torch.cat([keys[kv_indices[starts[b]:starts[b + 1]].long()], tree_k[b * N:(b + 1) * N].float()])
+                    sees = torch.cat([torch.ones(N, lens[b], dtype=torch.bool), visible[b * N:(b + 1) * N]], 1).cuda()
                     sc = torch.einsum("nhd,ld->nhl", q[b * N:(b + 1) * N].float(), K) * scale
                     ref = torch.einsum("nhl,lv->nhv", sc.masked_fill(~sees[:, None], -math.inf).softmax(-1), K[:, :MLA_V_DIM])
                     errs.append(rel_err(outs[first][b * N:(b + 1) * N], ref))
                 err = max(errs)
-            row = {"shape": [B, H, N, ctx], "layout": layout, "pool": args.pool, "tree": args.tree, "rel_err": err,
+            row = {"shape": [B, H, N, ctx_spec], "layout": layout, "pool": args.pool, "tree": args.tree, "rel_err": err,
                    **{name: statistics.mean(t) for name, t in times.items()},
                    "rounds": times, "same_bits": {name: bool(torch.equal(o, outs[first])) for name, o in outs.items()}}
             rows_out.append(row)
             cells = " | ".join(f"{name} {row[name]:.4f} ms ({row[first] / row[name]:.3f}x{'' if row['same_bits'][name] else ', other bits'})"
                                for name in variants)
-            print(f"{B}x{H}x{N} @{ctx} {args.pool} {layout}: rel err {err:.1e} | {cells} | {flops / row[first] / 1e9:.0f} TFLOP/s",
+            print(f"{B}x{H}x{N} @{ctx_spec} {args.pool} {layout}: rel err {err:.1e} | {cells} | {flops / row[first] / 1e9:.0f} TFLOP/s",
                   flush=True)
             del kv, kv_pool, out, lse, outs
             torch.cuda.empty_cache()

@@ -1016,7 +1016,9 @@ VERIFY_GRID = [  # (prefix lens, node counts, heads)
 VERIFY_KERNEL_ENV = {
     # 64-row tiles keep the seesaw kernel on the small fp8 requests it would hand to the
     # portable kernel's 16-row CTA (test_verify_attn_cuda_sm90_kernel_choice).
-    "seesaw": {"KDTREE_VERIFY_ROWS": "64"},
+    "seesaw": {"KDTREE_VERIFY_ROWS": "64", "KDTREE_VERIFY_BALANCE": "0"},
+    # the seesaw kernel on the balanced schedule (BalancedWork), even for one request
+    "balanced": {"KDTREE_VERIFY_ROWS": "64", "KDTREE_VERIFY_BALANCE": "1"},
     "wgmma": {"KDTREE_VERIFY_SEESAW": "0"},
     "portable": {"KDTREE_VERIFY_WGMMA": "0", "KDTREE_VERIFY_ROWS": "64"},
     "portable48": {"KDTREE_VERIFY_WGMMA": "0", "KDTREE_VERIFY_ROWS": "48"},
@@ -1027,7 +1029,7 @@ VERIFY_KERNEL_ENV = {
 @pytest.fixture(params=list(VERIFY_KERNEL_ENV))
 def verify_kernel(request, monkeypatch):
     """Runs the test once per kernel (the choice is read at every call, so also at capture)."""
-    for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA", "KDTREE_VERIFY_ROWS"):
+    for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA", "KDTREE_VERIFY_ROWS", "KDTREE_VERIFY_BALANCE"):
         monkeypatch.delenv(name, raising=False)
     for name, value in VERIFY_KERNEL_ENV[request.param].items():
         monkeypatch.setenv(name, value)
@@ -1348,6 +1350,48 @@ def test_verify_attn_cuda_sm90_boxable_instance(pool, tma, prefix, hint, want, m
     (out, lse), names = launched_kernels(lambda: kdtree_ops.verify_attn(*verify_args(case), **kw))
     assert [n for n in names if "seesaw_kernel<" in n and f", {want}>" in n], names
     assert_verify_close(out, lse, ref)
+
+
+@pytest.mark.skipif(not GPU or torch.cuda.get_device_capability() != (9, 0), reason="the Hopper kernels serve sm_90 only")
+@pytest.mark.parametrize("prefix_lens,node_counts,heads,balance,want", [
+    ([5000] * 8, [9] * 8, 16, "1", True),  # 24 row tiles over 132 SMs
+    ([70001, 300, 5, 12000, 0], [9, 1, 33, 9, 2], 16, "1", True),  # unequal requests: shares meet several row tiles
+    ([3] * 40, [1] * 40, 16, "1", True),  # fewer 128-key chunks (40) than CTAs: empty shares
+    ([70001], [9], 16, "1", True),  # one request
+    ([5000] * 8, [9] * 8, 16, "", False),  # equal splits unless asked
+    ([5000] * 8, [9] * 8, 16, "0", False),
+])
+def test_verify_attn_cuda_sm90_balanced_schedule(prefix_lens, node_counts, heads, balance, want, monkeypatch):
+    """Which schedule serves a call on the seesaw kernel (KDTREE_VERIFY_BALANCE), read off the
+    merge kernel's Balanced argument, and that either gives the reference's output."""
+    for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA", "KDTREE_VERIFY_ROWS", "KDTREE_VERIFY_BALANCE"):
+        monkeypatch.delenv(name, raising=False)
+    if balance:
+        monkeypatch.setenv("KDTREE_VERIFY_BALANCE", balance)
+    case = make_verify_case(prefix_lens, node_counts, heads, slots="pages")
+    (out, lse), names = launched_kernels(lambda: kdtree_ops.verify_attn(*verify_args(case)))
+    merges = {n.split("merge_splits_kernel<")[1].split(">")[0].split(", ")[1] for n in names if "merge_splits_kernel<" in n}
+    assert merges <= {"true", "false"} and ("true" in merges) == want, names
+    assert_verify_close(out, lse, case)
+
+
+@needs_gpu
+def test_verify_attn_cuda_graph_replay_moves_lengths(verify_kernel):
+    """A captured batch replayed with its prefix lengths redistributed (same total, same trees):
+    the balanced schedule finds its segments on the device at every replay."""
+    nodes, heads, total = [9, 4, 9, 1], 16, 9000
+
+    def fresh():
+        cuts = sorted((torch.randperm(total - 1)[: len(nodes) - 1] + 1).tolist())
+        lens = [b - a for a, b in zip([0, *cuts], [*cuts, total])]
+        c = make_verify_case(lens, nodes, heads, pool=12000, slots="pages")
+        return [c[k] for k in VERIFY_ARGS[:-1]]
+
+    def check(inputs, out):
+        case = dict(zip(VERIFY_ARGS, [*inputs, 1.0 / math.sqrt(192)]))
+        assert_verify_close(out[0], out[1], case)
+
+    graph_replay(lambda *a: kdtree_ops.verify_attn(*a, 1.0 / math.sqrt(192)), fresh, check)
 
 
 @needs_gpu

@@ -42,8 +42,11 @@ template <typename T> struct VerifyParams {
   int64_t mask_stride;
   int mask_words;
   int batch, heads, splits;
+  // > 0: the balanced schedule over this many CTAs (BalancedWork) instead of splits.
+  int balanced;
   float scale_log2;
-  // direct output (splits == 1) or partials [splits][T*H][512] + [splits][T*H]
+  // direct output (splits == 1) or partials [splits][T*H][512] + [splits][T*H]; under the
+  // balanced schedule [G + row tiles][64][512] + [G + row tiles][64] (BalancedWork)
   T* out;
   int64_t out_st, out_sh;
   float* lse;
@@ -195,6 +198,13 @@ constexpr float kNaN = __builtin_nanf("");
 // request without keys (cta_span) and its epilogue writes them NaN: every output row is
 // defined, through the kernels' own write path.
 constexpr int kNoWork = -1, kMalformedBatch = -2;
+template <typename T>
+__device__ __forceinline__ bool request_malformed(const VerifyParams<T>& p, int b, int64_t q0, int64_t q1, int64_t k0,
+                                                  int64_t k1) {
+  return q1 < q0 || k1 < k0 || (b == 0 && (q0 != 0 || k0 != 0)) ||
+         (b == p.batch - 1 && (q1 != p.tokens || k1 > p.n_indices)) ||
+         (p.mask != nullptr && q1 - q0 > 32 * static_cast<int64_t>(p.mask_words));
+}
 template <typename T, int Rows = kRows>
 __device__ __forceinline__ void find_row_tile(const VerifyParams<T>& p, int tile, int lane, int& req, int& row0) {
   int base = 0;
@@ -206,9 +216,7 @@ __device__ __forceinline__ void find_row_tile(const VerifyParams<T>& p, int tile
     int n = 0;
     if (b < p.batch) {
       const int64_t q0 = p.qo_indptr[b], q1 = p.qo_indptr[b + 1], k0 = p.kv_indptr[b], k1 = p.kv_indptr[b + 1];
-      bad |= q1 < q0 || k1 < k0 || (b == 0 && (q0 != 0 || k0 != 0)) ||
-             (b == p.batch - 1 && (q1 != p.tokens || k1 > p.n_indices)) ||
-             (p.mask != nullptr && q1 - q0 > 32 * static_cast<int64_t>(p.mask_words));
+      bad |= request_malformed(p, b, q0, q1, k0, k1);
       if (!bad) n = static_cast<int>(q1 - q0) * p.heads;
     }
     const int cnt = (n + Rows - 1) / Rows;
@@ -227,6 +235,85 @@ __device__ __forceinline__ void find_row_tile(const VerifyParams<T>& p, int tile
     req = kMalformedBatch;
     row0 = tile * Rows;
   }
+}
+
+// The balanced schedule (p.balanced = G CTAs on a 1-D grid; the seesaw kernel). Splitting
+// every request into the same number of CTAs leaves SMs idle or runs a second wave where the
+// row tiles do not divide the SMs (8 requests x 3 row tiles over 132 SMs), and waits on the
+// longest request where lengths differ. Instead the batch's work, W = the sum over requests of
+// row tiles x kChunkKeys-key chunks of its keys (prefix, then tree nodes), is laid out in
+// order (request, row tile, chunk), and CTA c takes chunks [c W / G, (c + 1) W / G): equal
+// shares, each walking one or more segments (a run of chunks of one row tile, "unit" u in
+// (request, row tile) order). A segment that holds its whole unit writes the output; any
+// other writes partial rows [64 (c + u), +64), unique since from one segment of the schedule
+// to the next c or u (or both) grows; the merge sums a unit's partials over the CTAs whose
+// shares meet it (balanced_parts).
+constexpr int kChunkKeys = 128;
+struct BalancedWork {
+  int b;          // the request found: kNoWork if none, kMalformedBatch for a bad batch (find_row_tile's test)
+  int unit0;      // its row tile 0's unit
+  int chunks;     // its chunks
+  int keys;       // its keys (prefix + nodes)
+  int nodes;
+  int q_begin;    // its first node
+  int kv_begin;   // its first prefix slot's place in kv_indices
+  int64_t work0;  // its first chunk's place in the work
+  int64_t work;   // W
+};
+// Called by one full warp: the batch's work, and the first request (in order) for which
+// hit(q_begin, q_end, work0, work_of_request) holds.
+template <typename T, typename Hit>
+__device__ __forceinline__ BalancedWork scan_work(const VerifyParams<T>& p, int lane, Hit hit) {
+  BalancedWork w{kNoWork, 0, 0, 0, 0, 0, 0, 0, 0};
+  int unit_base = 0;
+  int64_t work_base = 0;
+  bool bad = false;
+  for (int b0 = 0; b0 < p.batch; b0 += 32) {
+    const int b = b0 + lane;
+    int64_t q0 = 0, q1 = 0, k0 = 0;
+    int tiles = 0, chunks = 0, keys = 0;
+    if (b < p.batch) {
+      q0 = p.qo_indptr[b];
+      q1 = p.qo_indptr[b + 1];
+      k0 = p.kv_indptr[b];
+      const int64_t k1 = p.kv_indptr[b + 1];
+      bad |= request_malformed(p, b, q0, q1, k0, k1);
+      if (!bad) {
+        const int nodes = static_cast<int>(q1 - q0);
+        keys = static_cast<int>(k1 - k0) + nodes;
+        tiles = (nodes * p.heads + kRows - 1) / kRows;
+        chunks = (keys + kChunkKeys - 1) / kChunkKeys;
+      }
+    }
+    const int64_t work = static_cast<int64_t>(tiles) * chunks;
+    const int64_t work_incl = warp_inclusive_scan(work);
+    const int tiles_incl = warp_inclusive_scan(tiles);
+    const int64_t work0 = work_base + work_incl - work;
+    const int unit0 = unit_base + tiles_incl - tiles;
+    const unsigned who = __ballot_sync(0xffffffffu, b < p.batch && !bad && hit(q0, q1, work0, work));
+    if (who && w.b == kNoWork) {
+      const int src = __ffs(who) - 1;
+      w.b = __shfl_sync(0xffffffffu, b, src);
+      w.unit0 = __shfl_sync(0xffffffffu, unit0, src);
+      w.chunks = __shfl_sync(0xffffffffu, chunks, src);
+      w.keys = __shfl_sync(0xffffffffu, keys, src);
+      w.nodes = __shfl_sync(0xffffffffu, static_cast<int>(q1 - q0), src);
+      w.q_begin = __shfl_sync(0xffffffffu, static_cast<int>(q0), src);
+      w.kv_begin = __shfl_sync(0xffffffffu, static_cast<int>(k0), src);
+      w.work0 = __shfl_sync(0xffffffffu, work0, src);
+    }
+    work_base += __shfl_sync(0xffffffffu, work_incl, 31);
+    unit_base += __shfl_sync(0xffffffffu, tiles_incl, 31);
+  }
+  w.work = work_base;
+  if (__any_sync(0xffffffffu, bad)) w.b = kMalformedBatch;
+  return w;
+}
+// The first chunk of CTA c's share, and the CTA whose share holds chunk x (shares may be
+// empty where W < G; the last CTA whose share starts at or before x).
+__device__ __forceinline__ int64_t share_begin(int64_t work, int ctas, int c) { return c * work / ctas; }
+__device__ __forceinline__ int share_of(int64_t work, int ctas, int64_t x) {
+  return static_cast<int>(((x + 1) * ctas + work - 1) / work) - 1;
 }
 
 // What one CTA covers of request b: its rows, and its split of the prefix (an equal, 32-key

@@ -45,9 +45,10 @@ constexpr int kOffSum = kOffMax + kRows * 4;     // [2][64] each consumer's row 
 // K ready [buf][column block] (the boxable instance: a box lands, and is read, block by block)
 constexpr int kOffBar = kOffSum + 2 * kRows * 4;
 constexpr int kBars = 13 + 2 * kCols;
-constexpr int kOffTile = kOffBar + 8 * kBars;
+constexpr int kOffSeg = kOffBar + 8 * kBars;  // [2] SeesawSegment: this one and the next
+constexpr int kSegBytes = 64;
 // The dynamic shared window is only 16-byte aligned; swizzled blocks need 1024.
-constexpr int kSmemBytes = kOffTile + 8 + 1024;
+constexpr int kSmemBytes = kOffSeg + 2 * kSegBytes + 1024;
 static_assert(kSmemBytes <= 227 * 1024, "must fit sm_90's 227 KB per block");
 static_assert(kRows == 64, "one wgmma M tile of rows per CTA");
 constexpr int kTileKeys = 64;
@@ -204,16 +205,28 @@ __device__ __forceinline__ uint64_t v_desc(uint32_t kbuf, int half) {
   return make_desc(kbuf + half * 4 * kBlockBytes, kBlockBytes, 1024);
 }
 
-// What one CTA covers of request b: its rows, and its share of the request's keys (prefix
-// slots, then tree nodes), in tile pairs.
-struct SeesawSpan {
-  int q_begin, rows_b, kv_begin, prefix, key_begin, key_end, n_pairs;
+// A run of one CTA's work: rows [row0, row0 + 64) of request b and its keys [key_begin,
+// key_end) (prefix slots, then tree nodes) in tile pairs; the output if `direct`, else
+// partial rows part + r. A CTA has one segment (its split of one request) or, under the
+// balanced schedule, one or more (BalancedWork).
+struct SeesawSegment {
+  int b, row0, q_begin, rows_b, kv_begin, prefix, key_begin, key_end, n_pairs;
+  bool direct;
+  int64_t part;
+  int64_t next;  // balanced: the next segment's first chunk (a bad batch: its row tile)
 };
+static_assert(kChunkKeys == kPairKeys, "the balanced schedule's chunk is a tile pair");
+static_assert(sizeof(SeesawSegment) <= kSegBytes && kOffSeg % alignof(SeesawSegment) == 0);
+// Split `split` of row tile row0 of request b: an equal, 128-key aligned share of its keys.
 template <typename T>
-__device__ __forceinline__ SeesawSpan seesaw_span(const VerifyParams<T>& p, int b, int split) {
-  SeesawSpan c{};
+__device__ __forceinline__ SeesawSegment split_segment(const VerifyParams<T>& p, int b, int row0, int split) {
+  SeesawSegment c{};
+  c.b = b;
+  c.row0 = row0;
+  c.direct = p.splits == 1;
   if (b == kMalformedBatch) {  // rows to write NaN, no keys (find_row_tile)
     c.rows_b = static_cast<int>(p.rows_total);
+    c.part = split * p.rows_total + row0;
     return c;
   }
   c.q_begin = static_cast<int>(p.qo_indptr[b]);
@@ -228,7 +241,55 @@ __device__ __forceinline__ SeesawSpan seesaw_span(const VerifyParams<T>& p, int 
   c.key_begin = static_cast<int>(begin);
   c.key_end = static_cast<int>(begin + chunk < total ? begin + chunk : total);
   c.n_pairs = (c.key_end - c.key_begin + kPairKeys - 1) / kPairKeys;
+  c.part = split * p.rows_total + static_cast<int64_t>(c.q_begin) * p.heads + row0;
   return c;
+}
+// Called by one full warp under the balanced schedule: this CTA's segment after `prev`
+// (null: its first), b = kNoWork past its share. A malformed batch has each CTA write NaN
+// rows straight out, row tiles blockIdx.x, + G, + 2G, ...
+template <typename T>
+__device__ __forceinline__ SeesawSegment balanced_segment(const VerifyParams<T>& p, int lane, const SeesawSegment* prev) {
+  const int c = blockIdx.x, ctas = p.balanced;
+  SeesawSegment s{};
+  s.b = kNoWork;
+  auto bad_batch_tile = [&](int64_t tile) {
+    if (tile * kRows < p.rows_total) {
+      s.b = kMalformedBatch;
+      s.row0 = static_cast<int>(tile * kRows);
+      s.rows_b = static_cast<int>(p.rows_total);
+      s.direct = true;
+      s.next = tile + ctas;
+    }
+    return s;
+  };
+  if (prev && prev->b == kMalformedBatch) return bad_batch_tile(prev->next);
+  int64_t pos = prev ? prev->next : -1;
+  auto at_pos = [&](int64_t, int64_t, int64_t work0, int64_t work) { return pos >= work0 && pos < work0 + work; };
+  BalancedWork w = scan_work(p, lane, at_pos);
+  if (w.b == kMalformedBatch) return bad_batch_tile(c);
+  if (!prev) {
+    pos = share_begin(w.work, ctas, c);
+    w = scan_work(p, lane, at_pos);
+  }
+  const int64_t end = share_begin(w.work, ctas, c + 1);
+  if (pos >= end || w.b < 0) return s;
+  const int r = static_cast<int>((pos - w.work0) / w.chunks);
+  const int64_t unit_start = w.work0 + static_cast<int64_t>(r) * w.chunks;
+  const int c0 = static_cast<int>(pos - unit_start);
+  const int c1 = static_cast<int>(min(end - unit_start, static_cast<int64_t>(w.chunks)));
+  s.b = w.b;
+  s.row0 = r * kRows;
+  s.q_begin = w.q_begin;
+  s.rows_b = w.nodes * p.heads;
+  s.kv_begin = w.kv_begin;
+  s.prefix = w.keys - w.nodes;
+  s.key_begin = c0 * kPairKeys;
+  s.key_end = min(c1 * kPairKeys, w.keys);
+  s.n_pairs = c1 - c0;
+  s.direct = c0 == 0 && c1 == w.chunks;
+  s.part = static_cast<int64_t>(c + w.unit0 + r) * kRows;
+  s.next = unit_start + c1;
+  return s;
 }
 
 // The producer over an fp8 pool (Fp8Math). Thread lt owns a row r of each tile and dims
@@ -247,7 +308,7 @@ __device__ __forceinline__ SeesawSpan seesaw_span(const VerifyParams<T>& p, int 
 template <typename T, typename SlotOf>
 __device__ __forceinline__ void produce_fp8(const VerifyParams<T>& p, uint32_t sK, uint8_t* k_smem, SlotOf slot_of,
                                             int q_begin, int prefix, int key_begin, int key_end, int n_pairs,
-                                            int lt, uint32_t bar_q, bool& bad, bool& beyond) {
+                                            uint32_t pair_base, int lt, uint32_t bar_q, bool& bad, bool& beyond) {
   using Idx = decltype(slot_of(0));
   // Lanes 0-7 of a warp: rows 8 w' .. 8 w' + 7 with hh = 0, lanes 8-15 the same rows with hh = 1
   // (w' = 2 warp + lane / 16): each 16-byte access phase of 8 lanes meets 8 distinct swizzled
@@ -316,7 +377,7 @@ __device__ __forceinline__ void produce_fp8(const VerifyParams<T>& p, uint32_t s
     bool progressed = false;
     if (issued < total) {
       const int pr = issued >> 2, h = issued & 3, sidx = 2 * tile_of(h) + half_of(h);
-      if (mbar_test(bars + 32 + 8 * sidx, (pr & 1) ^ 1)) {  // a fresh barrier's "previous phase" is complete
+      if (mbar_test(bars + 32 + 8 * sidx, ((pair_base + pr) & 1) ^ 1)) {  // a fresh barrier's "previous phase" is complete
         issue(pr, h);
         cp_async_arrive(bars + 64 + 8 * sidx);
         if (h == 2) slot0 = slot_of(key_of(pr + 1, 0));
@@ -327,7 +388,7 @@ __device__ __forceinline__ void produce_fp8(const VerifyParams<T>& p, uint32_t s
     }
     if (widened < issued) {
       const int pr = widened >> 2, h = widened & 3;
-      if (mbar_test(bars + 64 + 8 * (2 * tile_of(h) + half_of(h)), pr & 1)) {
+      if (mbar_test(bars + 64 + 8 * (2 * tile_of(h) + half_of(h)), (pair_base + pr) & 1)) {
         widen(pr, h);
         ++widened;
         progressed = true;
@@ -368,7 +429,8 @@ __device__ __forceinline__ bool kv_runs(const Idx* kv_indices, int prefix, int k
 template <bool Boxable, typename T, typename Idx, typename SlotOf>
 __device__ __forceinline__ void produce_rows(const VerifyParams<T>& p, const CUtensorMap* kv_map, uint32_t sK,
                                              SlotOf slot_of, const Idx* kv_indices, int q_begin, int prefix,
-                                             int key_begin, int key_end, int n_pairs, int lt, uint32_t bar_q, bool& bad) {
+                                             int key_begin, int key_end, int n_pairs, uint32_t pair_base, int lt,
+                                             uint32_t bar_q, bool& bad) {
   const int grp = lt >> 3, ck = lt & 7;
   const uint32_t dst = grp * 128 + ((ck ^ (grp & 7)) << 4);  // (grp + 16 j) & 7 == grp & 7
   auto bar_ready = [&](int buf, int half) { return k_ready_bar(bar_q, buf, half); };
@@ -408,7 +470,8 @@ __device__ __forceinline__ void produce_rows(const VerifyParams<T>& p, const CUt
 
   auto copy_loop = [&](auto boxed_loop) {
     constexpr bool Boxed = decltype(boxed_loop)::value;
-    uint32_t free_parity = 1;  // a fresh barrier's "previous phase" counts as complete
+    // The phase before a barrier's first counts as complete; the phases run on across segments.
+    uint32_t free_parity = (pair_base & 1) ^ 1;
 #pragma unroll 1
     for (int pr = 0; pr < n_pairs; ++pr) {
       // Half `half` (dims 0-255: column blocks 0-3; 256-575: 4-8) of tile tl. In the boxed
@@ -490,16 +553,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto bar_ready = [&](int buf, int half) { return k_ready_bar(bar_q, buf, half); };
   auto bar_free = [&](int buf, int half) { return k_free_bar(bar_q, buf, half); };
   auto bar_block = [&](int buf, int cb) { return k_block_bar(bar_q, buf, cb); };
-  int* s_tile = reinterpret_cast<int*>(smem + kOffTile);
+  SeesawSegment* s_seg = reinterpret_cast<SeesawSegment*>(smem + kOffSeg);
 
   const int tid = threadIdx.x, wg = tid / kWgThreads, lt = tid % kWgThreads;
   if (tid < 32) {
-    int req, row0;
-    find_row_tile(p, blockIdx.x, tid, req, row0);
-    if (tid == 0) {
-      s_tile[0] = req;
-      s_tile[1] = row0;
+    SeesawSegment first;
+    if (p.balanced) {
+      first = balanced_segment(p, tid, nullptr);
+    } else {
+      int req, row0;
+      find_row_tile(p, blockIdx.x, tid, req, row0);
+      first = split_segment(p, req, row0, blockIdx.y);
     }
+    if (tid == 0) s_seg[0] = first;
   }
   if (tid == 32) {
     mbar_init(bar_q, kWgThreads);
@@ -507,15 +573,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
-  const int b = s_tile[0], row0 = s_tile[1];
-  if (b == kNoWork) return;
+  if (s_seg[0].b == kNoWork) return;
   // The split merge (launched behind this kernel) may be scheduled now; it waits for this
   // grid's completion before it reads anything.
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
-  const int split = blockIdx.y;
-  const auto [q_begin, rows_b, kv_begin, prefix, key_begin, key_end, n_pairs] = seesaw_span(p, b, split);
-
+  // Segment k's Q lands on bar_q's phase k; the K barriers' phases run on over the tile pairs
+  // of all segments (pair_base: those of the earlier ones), a K-ready barrier's over the pairs
+  // of the segments that used its kind (half or column block). The producer finds segment k + 1
+  // while the consumers finish k and publishes it through the barrier that ends k (kBarLoaded),
+  // after which Q and both K buffers are free.
   if (wg == 2) {
     // ================= producer: Q, then K tiles by slot =================
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
@@ -523,34 +590,49 @@ __global__ void __launch_bounds__(kThreads, 1)
     // of their 128-byte column blocks; eight threads read 128 contiguous bytes of a row.
     const int grp = lt >> 3, ck = lt & 7;
     const uint32_t dst = grp * 128 + ((ck ^ (grp & 7)) << 4);  // (grp + 16 j) & 7 == grp & 7
+    uint32_t pair_base = 0;
+    for (int k = 0;; ++k) {
+      const SeesawSegment sg = s_seg[k & 1];
+      if (sg.b == kNoWork) break;
+      const auto [b, row0, q_begin, rows_b, kv_begin, prefix, key_begin, key_end, n_pairs, direct, part, next] = sg;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      // A row past the request reads nothing (src-size 0: zeros) from row 0 of q.
-      const int m = row0 + grp + 16 * j;
-      const T* src = p.q + ck * 8;
-      if (m < rows_b) {
-        const int node = m / p.heads, head = m - node * p.heads;
-        src += (q_begin + node) * p.q_st + head * p.q_sh;
+      for (int j = 0; j < 4; ++j) {
+        // A row past the request reads nothing (src-size 0: zeros) from row 0 of q.
+        const int m = row0 + grp + 16 * j;
+        const T* src = p.q + ck * 8;
+        if (m < rows_b) {
+          const int node = m / p.heads, head = m - node * p.heads;
+          src += (q_begin + node) * p.q_st + head * p.q_sh;
+        }
+#pragma unroll
+        for (int cb = 0; cb < kCols; ++cb)
+          cp_async16(sQ + cb * kBlockBytes + 2048 * j + dst, src + cb * 64, m < rows_b);
       }
-#pragma unroll
-      for (int cb = 0; cb < kCols; ++cb)
-        cp_async16(sQ + cb * kBlockBytes + 2048 * j + dst, src + cb * 64, m < rows_b);
-    }
-    cp_async_arrive(bar_q);
+      cp_async_arrive(bar_q);
 
-    const Idx* kv_indices = static_cast<const Idx*>(p.kv_indices) + kv_begin;
-    bool bad = false;     // met a prefix slot outside kv_cache (checked_slot)
-    bool beyond = false;  // fp8: a tree row beyond f16 in the pool's units (kGuardFp8Range)
-    auto slot_of = [&](int key) {
-      return key < prefix && key < key_end ? __ldg(kv_indices + key) : Idx(0);
-    };
-    if constexpr (Fp8) {
-      produce_fp8(p, sK, smem + kOffK, slot_of, q_begin, prefix, key_begin, key_end, n_pairs, lt, bar_q, bad, beyond);
-    } else {
-      produce_rows<Boxable>(p, &kv_map, sK, slot_of, kv_indices, q_begin, prefix, key_begin, key_end, n_pairs, lt, bar_q, bad);
+      const Idx* kv_indices = static_cast<const Idx*>(p.kv_indices) + kv_begin;
+      bool bad = false;     // met a prefix slot outside kv_cache (checked_slot)
+      bool beyond = false;  // fp8: a tree row beyond f16 in the pool's units (kGuardFp8Range)
+      auto slot_of = [&](int key) {
+        return key < prefix && key < key_end ? __ldg(kv_indices + key) : Idx(0);
+      };
+      if constexpr (Fp8) {
+        produce_fp8(p, sK, smem + kOffK, slot_of, q_begin, prefix, key_begin, key_end, n_pairs, pair_base, lt, bar_q,
+                    bad, beyond);
+      } else {
+        produce_rows<Boxable>(p, &kv_map, sK, slot_of, kv_indices, q_begin, prefix, key_begin, key_end, n_pairs,
+                              pair_base, lt, bar_q, bad);
+      }
+      if (lt < 32) {
+        SeesawSegment after{};
+        after.b = kNoWork;
+        if (p.balanced) after = balanced_segment(p, lt, &sg);
+        if (lt == 0) s_seg[(k + 1) & 1] = after;
+      }
+      bar_or<kBarLoaded, kThreads>(bad);
+      if constexpr (Fp8) bar_or<kBarLoaded, kThreads>(beyond);
+      pair_base += n_pairs;
     }
-    bar_or<kBarLoaded, kThreads>(bad);
-    if constexpr (Fp8) bar_or<kBarLoaded, kThreads>(beyond);
   } else {
     // ================= consumers =================
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
@@ -558,318 +640,325 @@ __global__ void __launch_bounds__(kThreads, 1)
     // This thread's two rows of every m64 accumulator: columns 8 i + 2 t4 + {0, 1} of row rA
     // in d[4 i], d[4 i + 1] and of row rB in d[4 i + 2], d[4 i + 3].
     const int rA = (lt >> 5) * 16 + g, rB = rA + 8;
-    const int mA = row0 + rA, mB = row0 + rB;
-    const int nodeA = mA < rows_b ? mA / p.heads : 0, nodeB = mB < rows_b ? mB / p.heads : 0;
-    const int32_t* maskA = p.mask ? p.mask + (q_begin + nodeA) * p.mask_stride : nullptr;
-    const int32_t* maskB = p.mask ? p.mask + (q_begin + nodeB) * p.mask_stride : nullptr;
-    // fp8 pool: k_scale, and 1 / the power of two a bf16 q takes into f16, scale the scores in
-    // float32 and k_scale the output (Fp8Math). The consumers convert Q in place once it lands.
-    const float k_scale = Fp8 ? kv_scale(p) : 1.f;
-    float q_factor = 1.f;
-    // Which copy loop the producer runs (the same test): its two loads go out before Q's wait.
-    const bool block_bars =
-        Boxable && kv_runs<T>(static_cast<const Idx*>(p.kv_indices) + kv_begin, prefix, key_begin, key_end);
-    mbar_wait(bar_q, 0);
-    if constexpr (Fp8 && std::is_same_v<T, __nv_bfloat16>) {
-      constexpr int kPerThread = kTileBytes / 16 / (2 * kWgThreads);
-      uint4* q16 = reinterpret_cast<uint4*>(smem) + tid;
-      uint32_t peak = 0;
+    uint32_t half_pairs = 0, block_pairs = 0;  // pairs of earlier segments that waited on each kind
+    for (int k = 0;; ++k) {
+      const SeesawSegment sg = s_seg[k & 1];
+      if (sg.b == kNoWork) break;
+      const auto [b, row0, q_begin, rows_b, kv_begin, prefix, key_begin, key_end, n_pairs, direct, part, next] = sg;
+      const int mA = row0 + rA, mB = row0 + rB;
+      const int nodeA = mA < rows_b ? mA / p.heads : 0, nodeB = mB < rows_b ? mB / p.heads : 0;
+      const int32_t* maskA = p.mask ? p.mask + (q_begin + nodeA) * p.mask_stride : nullptr;
+      const int32_t* maskB = p.mask ? p.mask + (q_begin + nodeB) * p.mask_stride : nullptr;
+      // fp8 pool: k_scale, and 1 / the power of two a bf16 q takes into f16, scale the scores in
+      // float32 and k_scale the output (Fp8Math). The consumers convert Q in place once it lands.
+      const float k_scale = Fp8 ? kv_scale(p) : 1.f;
+      float q_factor = 1.f;
+      // Which copy loop the producer runs (the same test): its two loads go out before Q's wait.
+      const bool block_bars =
+          Boxable && kv_runs<T>(static_cast<const Idx*>(p.kv_indices) + kv_begin, prefix, key_begin, key_end);
+      const uint32_t pair_base = block_bars ? block_pairs : half_pairs;
+      mbar_wait(bar_q, k & 1);
+      if constexpr (Fp8 && std::is_same_v<T, __nv_bfloat16>) {
+        constexpr int kPerThread = kTileBytes / 16 / (2 * kWgThreads);
+        uint4* q16 = reinterpret_cast<uint4*>(smem) + tid;
+        uint32_t peak = 0;
 #pragma unroll
-      for (int j = 0; j < kPerThread; ++j) {
-        const uint4 v = q16[j * 2 * kWgThreads];
-        peak = peak_bits(peak_bits(peak_bits(peak_bits(peak, v.x), v.y), v.z), v.w);
+        for (int j = 0; j < kPerThread; ++j) {
+          const uint4 v = q16[j * 2 * kWgThreads];
+          peak = peak_bits(peak_bits(peak_bits(peak_bits(peak, v.x), v.y), v.z), v.w);
+        }
+        peak = __reduce_max_sync(0xffffffffu, peak_bits_fold(peak));
+        uint32_t* s_peak = reinterpret_cast<uint32_t*>(s_max);  // free until the first softmax
+        if (lane == 0) s_peak[tid >> 5] = peak;
+        named_sync(kBarSum);
+#pragma unroll
+        for (int w = 0; w < 2 * kWgThreads / 32; ++w) peak = max(peak, s_peak[w]);
+        q_factor = q_f16_factor(peak);
+        bool unused = false;  // |q| x q_factor < 2^15
+#pragma unroll
+        for (int j = 0; j < kPerThread; ++j) q16[j * 2 * kWgThreads] = to_f16x8<T>(q16[j * 2 * kWgThreads], q_factor, unused);
+        fence_proxy_async();  // read by wgmma (async proxy)
+        named_sync(kBarSum);  // every thread's part of Q, and every read of s_peak
       }
-      peak = __reduce_max_sync(0xffffffffu, peak_bits_fold(peak));
-      uint32_t* s_peak = reinterpret_cast<uint32_t*>(s_max);  // free until the first softmax
-      if (lane == 0) s_peak[tid >> 5] = peak;
-      named_sync(kBarSum);
-#pragma unroll
-      for (int w = 0; w < 2 * kWgThreads / 32; ++w) peak = max(peak, s_peak[w]);
-      q_factor = q_f16_factor(peak);
-      bool unused = false;  // |q| x q_factor < 2^15
-#pragma unroll
-      for (int j = 0; j < kPerThread; ++j) q16[j * 2 * kWgThreads] = to_f16x8<T>(q16[j * 2 * kWgThreads], q_factor, unused);
-      fence_proxy_async();  // read by wgmma (async proxy)
-      named_sync(kBarSum);  // every thread's part of Q, and every read of s_peak
-    }
-    const float c = Fp8 ? p.scale_log2 * (k_scale / q_factor) : p.scale_log2;  // > 0 (the host sends other scales elsewhere)
-    const int unmasked_end = min(prefix, key_end);  // tiles below need no mask
+      const float c = Fp8 ? p.scale_log2 * (k_scale / q_factor) : p.scale_log2;  // > 0 (the host sends other scales elsewhere)
+      const int unmasked_end = min(prefix, key_end);  // tiles below need no mask
 
-    auto tree_visible = [&](const int32_t* mrow, int node, int j) {
-      return mrow ? (j >> 5) < p.mask_words && ((mrow[j >> 5] >> (j & 31)) & 1) : j <= node;
-    };
-    // Row maxima of tile S (first key key0) in the log2 domain, masking it first if it reaches
-    // the tree or the end. Masked scores are -inf: times c > 0 they stay -inf and exp to 0.
-    auto tile_max = [&](float (&s)[32], int key0, float& mxA, float& mxB) {
-      if (key0 + kTileKeys > unmasked_end) {
+      auto tree_visible = [&](const int32_t* mrow, int node, int j) {
+        return mrow ? (j >> 5) < p.mask_words && ((mrow[j >> 5] >> (j & 31)) & 1) : j <= node;
+      };
+      // Row maxima of tile S (first key key0) in the log2 domain, masking it first if it reaches
+      // the tree or the end. Masked scores are -inf: times c > 0 they stay -inf and exp to 0.
+      auto tile_max = [&](float (&s)[32], int key0, float& mxA, float& mxB) {
+        if (key0 + kTileKeys > unmasked_end) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int key = key0 + 8 * i + 2 * t4 + e;
+              bool inA = key < key_end, inB = inA;
+              if (inA && key >= prefix) {
+                inA = tree_visible(maskA, nodeA, key - prefix);
+                inB = tree_visible(maskB, nodeB, key - prefix);
+              }
+              if (!inA) s[4 * i + e] = -INFINITY;
+              if (!inB) s[4 * i + 2 + e] = -INFINITY;
+            }
+        }
+        mxA = mxB = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          mxA = fmaxf(mxA, fmaxf(s[4 * i], s[4 * i + 1]));
+          mxB = fmaxf(mxB, fmaxf(s[4 * i + 2], s[4 * i + 3]));
+        }
+        mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 1));
+        mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 1));
+        mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 2));
+        mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 2));
+        mxA *= c;
+        mxB *= c;
+      };
+      // A row's max only moves when a tile beats it by kRescaleSlack: P stays <= 2^8 and most
+      // tiles rescale nothing.
+      auto next_max = [](float run, float mx) { return mx > run + kRescaleSlack ? mx : run; };
+      // P = 2^(S c - max), kept in S (float) and packed into ps, wgmma's A-fragment layout for
+      // 16-key steps (ps[4 kk .. 4 kk + 3]); adds this thread's share of the row sums.
+      auto exp_tile = [&](float (&s)[32], uint32_t (&ps)[16], float mA, float mB, float& lA, float& lB) {
 #pragma unroll
         for (int i = 0; i < 8; ++i)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const int key = key0 + 8 * i + 2 * t4 + e;
-            bool inA = key < key_end, inB = inA;
-            if (inA && key >= prefix) {
-              inA = tree_visible(maskA, nodeA, key - prefix);
-              inB = tree_visible(maskB, nodeB, key - prefix);
-            }
-            if (!inA) s[4 * i + e] = -INFINITY;
-            if (!inB) s[4 * i + 2 + e] = -INFINITY;
+            s[4 * i + e] = fast_exp2(fmaf(s[4 * i + e], c, -mA));
+            s[4 * i + 2 + e] = fast_exp2(fmaf(s[4 * i + 2 + e], c, -mB));
+            lA += s[4 * i + e];
+            lB += s[4 * i + 2 + e];
           }
-      }
-      mxA = mxB = -INFINITY;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        mxA = fmaxf(mxA, fmaxf(s[4 * i], s[4 * i + 1]));
-        mxB = fmaxf(mxB, fmaxf(s[4 * i + 2], s[4 * i + 3]));
-      }
-      mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 1));
-      mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 1));
-      mxA = fmaxf(mxA, __shfl_xor_sync(0xffffffffu, mxA, 2));
-      mxB = fmaxf(mxB, __shfl_xor_sync(0xffffffffu, mxB, 2));
-      mxA *= c;
-      mxB *= c;
-    };
-    // A row's max only moves when a tile beats it by kRescaleSlack: P stays <= 2^8 and most
-    // tiles rescale nothing.
-    auto next_max = [](float run, float mx) { return mx > run + kRescaleSlack ? mx : run; };
-    // P = 2^(S c - max), kept in S (float) and packed into ps, wgmma's A-fragment layout for
-    // 16-key steps (ps[4 kk .. 4 kk + 3]); adds this thread's share of the row sums.
-    auto exp_tile = [&](float (&s)[32], uint32_t (&ps)[16], float mA, float mB, float& lA, float& lB) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          s[4 * i + e] = fast_exp2(fmaf(s[4 * i + e], c, -mA));
-          s[4 * i + 2 + e] = fast_exp2(fmaf(s[4 * i + 2 + e], c, -mB));
-          lA += s[4 * i + e];
-          lB += s[4 * i + 2 + e];
-        }
-#pragma unroll
-      for (int q = 0; q < 16; ++q) ps[q] = pack2<M>(s[2 * q], s[2 * q + 1]);
-    };
-    auto scale_o = [](float (&o)[128], float aA, float aB) {
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        o[4 * j] *= aA;
-        o[4 * j + 1] *= aA;
-        o[4 * j + 2] *= aB;
-        o[4 * j + 3] *= aB;
-      }
-    };
-    // P into the other consumer's 128-byte swizzled K-major buffer: row r's 16-byte chunk i
-    // (keys 8 i ..) sits at chunk i ^ (r & 7).
-    auto store_p = [&](uint32_t sP, const uint32_t (&ps)[16]) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sP + rA * 128 + ((i ^ (rA & 7)) << 4) + t4 * 4), "r"(ps[2 * i]));
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sP + rB * 128 + ((i ^ (rB & 7)) << 4) + t4 * 4), "r"(ps[2 * i + 1]));
-      }
-    };
-
-    float o[128];
-#pragma unroll
-    for (int i = 0; i < 128; ++i) o[i] = 0.f;
-    float s[32];
-    uint32_t ps[16];
-    // Running max (log2 domain) of rows rA, rB, and this thread's share of their sums.
-    float runA = kMaxInit, runB = kMaxInit, lA = 0.f, lB = 0.f;
-
-    // K ready for a half of buffer `buf`: where the producer runs its boxed loop its first
-    // column block, else the half; then the proxy fence for rows copied by cp.async (a copied
-    // half lands whole before any of its barriers completes, so one fence covers it; boxes need
-    // none). blocks_of waits for each further block as the products reach it.
-    auto wait_half = [&](int buf, int half, uint32_t parity) {
-      mbar_wait(block_bars ? bar_block(buf, half ? 4 : 0) : bar_ready(buf, half), parity);
-      fence_proxy_async();
-    };
-    auto blocks_of = [&](int buf, uint32_t parity) {
-      return [=](int cb) {
-        if (block_bars) mbar_wait(bar_block(buf, cb), parity);
+        for (int q = 0; q < 16; ++q) ps[q] = pack2<M>(s[2 * q], s[2 * q + 1]);
       };
-    };
+      auto scale_o = [](float (&o)[128], float aA, float aB) {
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          o[4 * j] *= aA;
+          o[4 * j + 1] *= aA;
+          o[4 * j + 2] *= aB;
+          o[4 * j + 3] *= aB;
+        }
+      };
+      // P into the other consumer's 128-byte swizzled K-major buffer: row r's 16-byte chunk i
+      // (keys 8 i ..) sits at chunk i ^ (r & 7).
+      auto store_p = [&](uint32_t sP, const uint32_t (&ps)[16]) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sP + rA * 128 + ((i ^ (rA & 7)) << 4) + t4 * 4), "r"(ps[2 * i]));
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sP + rB * 128 + ((i ^ (rB & 7)) << 4) + t4 * 4), "r"(ps[2 * i + 1]));
+        }
+      };
 
-    if (wg == 0) {
-      const uint64_t v0 = v_desc(sK, 0), v1 = v_desc(sK + kTileBytes, 0);
+      float o[128];
+#pragma unroll
+      for (int i = 0; i < 128; ++i) o[i] = 0.f;
+      float s[32];
+      uint32_t ps[16];
+      // Running max (log2 domain) of rows rA, rB, and this thread's share of their sums.
+      float runA = kMaxInit, runB = kMaxInit, lA = 0.f, lB = 0.f;
+
+      // K ready for a half of buffer `buf`: where the producer runs its boxed loop its first
+      // column block, else the half; then the proxy fence for rows copied by cp.async (a copied
+      // half lands whole before any of its barriers completes, so one fence covers it; boxes need
+      // none). blocks_of waits for each further block as the products reach it.
+      auto wait_half = [&](int buf, int half, uint32_t parity) {
+        mbar_wait(block_bars ? bar_block(buf, half ? 4 : 0) : bar_ready(buf, half), parity);
+        fence_proxy_async();
+      };
+      auto blocks_of = [&](int buf, uint32_t parity) {
+        return [=](int cb) {
+          if (block_bars) mbar_wait(bar_block(buf, cb), parity);
+        };
+      };
+
+      if (wg == 0) {
+        const uint64_t v0 = v_desc(sK, 0), v1 = v_desc(sK + kTileBytes, 0);
 #pragma unroll 1
-      for (int pr = 0; pr < n_pairs; ++pr) {
-        const uint32_t parity = pr & 1;
-        if (pr == 0) {
-          wait_half(0, 0, 0);
+        for (int pr = 0; pr < n_pairs; ++pr) {
+          const uint32_t parity = (pair_base + pr) & 1;
+          if (pr == 0) {
+            wait_half(0, 0, parity);
+            wgmma_fence();
+            issue_qk<M, 0, 4, true>(s, sQ, sK, blocks_of(0, parity));
+            wait_half(0, 1, parity);
+            issue_qk<M, 4, kCols, false>(s, sQ, sK, blocks_of(0, parity));
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_regs(s);
+          }
+          // softmax of the even tile against this thread's running max
+          float mxA, mxB;
+          tile_max(s, key_begin + 2 * pr * kTileKeys, mxA, mxB);
+          {
+            const float nA = next_max(runA, mxA), nB = next_max(runB, mxB);
+            const float aA = nA != runA ? fast_exp2(runA - nA) : 1.f, aB = nB != runB ? fast_exp2(runB - nB) : 1.f;
+            runA = nA;
+            runB = nB;
+            lA *= aA;
+            lB *= aB;
+            if (aA != 1.f || aB != 1.f) scale_o(o, aA, aB);
+          }
+          exp_tile(s, ps, runA, runB, lA, lB);
+          if (t4 == 0) {
+            s_max[rA] = runA;
+            s_max[rB] = runB;
+          }
+          named_arrive(kBarMax0);
+          // O[:, 0:256) += P0 V0
           wgmma_fence();
-          issue_qk<M, 0, 4, true>(s, sQ, sK, blocks_of(0, 0));
-          wait_half(0, 1, 0);
-          issue_qk<M, 4, kCols, false>(s, sQ, sK, blocks_of(0, 0));
+          issue_pv_rs<M>(o, ps, v0);
+          wgmma_commit();
+          wgmma_wait<0>();
+          fence_regs(o);
+          mbar_arrive(bar_free(0, 0));
+          // WG1's odd tile may have moved the max: bring P0 to it, hand P0 over, rescale O
+          named_sync(kBarMax1);
+          {
+            const float nA = s_max[rA], nB = s_max[rB];
+            const float aA = nA != runA ? fast_exp2(runA - nA) : 1.f, aB = nB != runB ? fast_exp2(runB - nB) : 1.f;
+            runA = nA;
+            runB = nB;
+            if (aA != 1.f || aB != 1.f) {
+#pragma unroll
+              for (int q = 0; q < 16; ++q) {
+                const float a = (q & 1) ? aB : aA;
+                ps[q] = pack2<M>(s[2 * q] * a, s[2 * q + 1] * a);
+              }
+            }
+            store_p(sP0, ps);
+            fence_proxy_async();
+            named_arrive(kBarP0);
+            lA *= aA;
+            lB *= aB;
+            if (aA != 1.f || aB != 1.f) scale_o(o, aA, aB);
+          }
+          // O[:, 0:256) += P1 V1
+          named_sync(kBarP1);
+          wgmma_fence();
+          issue_pv_ss<M>(o, sP1, v1);
+          wgmma_commit();
+          if (pr + 1 < n_pairs) {
+            // the next even tile's S while P1 V1 runs
+            wait_half(0, 0, parity ^ 1);
+            wgmma_fence();
+            issue_qk<M, 0, 4, true>(s, sQ, sK, blocks_of(0, parity ^ 1));
+            wgmma_commit();
+            wgmma_wait<1>();
+            mbar_arrive(bar_free(1, 0));
+            wait_half(0, 1, parity ^ 1);
+            issue_qk<M, 4, kCols, false>(s, sQ, sK, blocks_of(0, parity ^ 1));
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_regs(s);
+            fence_regs(o);
+          } else {
+            wgmma_wait<0>();
+            fence_regs(o);
+            mbar_arrive(bar_free(1, 0));
+          }
+        }
+      } else {
+        const uint64_t v1 = v_desc(sK + kTileBytes, 1), v0 = v_desc(sK, 1);
+#pragma unroll 1
+        for (int pr = 0; pr < n_pairs; ++pr) {
+          const uint32_t parity = (pair_base + pr) & 1;
+          wait_half(1, 1, parity);
+          wgmma_fence();
+          issue_qk<M, 4, kCols, true>(s, sQ, sK + kTileBytes, blocks_of(1, parity));
+          wait_half(1, 0, parity);
+          issue_qk<M, 0, 4, false>(s, sQ, sK + kTileBytes, blocks_of(1, parity));
           wgmma_commit();
           wgmma_wait<0>();
           fence_regs(s);
-        }
-        // softmax of the even tile against this thread's running max
-        float mxA, mxB;
-        tile_max(s, key_begin + 2 * pr * kTileKeys, mxA, mxB);
-        {
-          const float nA = next_max(runA, mxA), nB = next_max(runB, mxB);
-          const float aA = nA != runA ? fast_exp2(runA - nA) : 1.f, aB = nB != runB ? fast_exp2(runB - nB) : 1.f;
-          runA = nA;
-          runB = nB;
-          lA *= aA;
-          lB *= aB;
-          if (aA != 1.f || aB != 1.f) scale_o(o, aA, aB);
-        }
-        exp_tile(s, ps, runA, runB, lA, lB);
-        if (t4 == 0) {
-          s_max[rA] = runA;
-          s_max[rB] = runB;
-        }
-        named_arrive(kBarMax0);
-        // O[:, 0:256) += P0 V0
-        wgmma_fence();
-        issue_pv_rs<M>(o, ps, v0);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(o);
-        mbar_arrive(bar_free(0, 0));
-        // WG1's odd tile may have moved the max: bring P0 to it, hand P0 over, rescale O
-        named_sync(kBarMax1);
-        {
-          const float nA = s_max[rA], nB = s_max[rB];
-          const float aA = nA != runA ? fast_exp2(runA - nA) : 1.f, aB = nB != runB ? fast_exp2(runB - nB) : 1.f;
-          runA = nA;
-          runB = nB;
-          if (aA != 1.f || aB != 1.f) {
-#pragma unroll
-            for (int q = 0; q < 16; ++q) {
-              const float a = (q & 1) ? aB : aA;
-              ps[q] = pack2<M>(s[2 * q] * a, s[2 * q + 1] * a);
-            }
+          // softmax of the odd tile against the max WG0 left after the even one
+          float mxA, mxB;
+          tile_max(s, key_begin + (2 * pr + 1) * kTileKeys, mxA, mxB);
+          named_sync(kBarMax0);
+          {
+            const float nA = next_max(s_max[rA], mxA), nB = next_max(s_max[rB], mxB);
+            const float aA = nA != runA ? fast_exp2(runA - nA) : 1.f, aB = nB != runB ? fast_exp2(runB - nB) : 1.f;
+            runA = nA;
+            runB = nB;
+            lA *= aA;
+            lB *= aB;
+            if (aA != 1.f || aB != 1.f) scale_o(o, aA, aB);
           }
-          store_p(sP0, ps);
-          fence_proxy_async();
-          named_arrive(kBarP0);
-          lA *= aA;
-          lB *= aB;
-          if (aA != 1.f || aB != 1.f) scale_o(o, aA, aB);
-        }
-        // O[:, 0:256) += P1 V1
-        named_sync(kBarP1);
-        wgmma_fence();
-        issue_pv_ss<M>(o, sP1, v1);
-        wgmma_commit();
-        if (pr + 1 < n_pairs) {
-          // the next even tile's S while P1 V1 runs
-          wait_half(0, 0, parity ^ 1);
+          exp_tile(s, ps, runA, runB, lA, lB);
+          __syncwarp();  // every lane of a quad has read s_max before its first lane rewrites it
+          if (t4 == 0) {
+            s_max[rA] = runA;
+            s_max[rB] = runB;
+          }
+          named_arrive(kBarMax1);
+          // O[:, 256:512) += P1 V1, and P1 to WG0
           wgmma_fence();
-          issue_qk<M, 0, 4, true>(s, sQ, sK, blocks_of(0, parity ^ 1));
+          issue_pv_rs<M>(o, ps, v1);
+          wgmma_commit();
+          store_p(sP1, ps);
+          fence_proxy_async();
+          named_arrive(kBarP1);
+          // O[:, 256:512) += P0 V0
+          named_sync(kBarP0);
+          wgmma_fence();
+          issue_pv_ss<M>(o, sP0, v0);
           wgmma_commit();
           wgmma_wait<1>();
-          mbar_arrive(bar_free(1, 0));
-          wait_half(0, 1, parity ^ 1);
-          issue_qk<M, 4, kCols, false>(s, sQ, sK, blocks_of(0, parity ^ 1));
-          wgmma_commit();
-          wgmma_wait<0>();
-          fence_regs(s);
-          fence_regs(o);
-        } else {
+          mbar_arrive(bar_free(1, 1));
           wgmma_wait<0>();
           fence_regs(o);
-          mbar_arrive(bar_free(1, 0));
+          mbar_arrive(bar_free(0, 1));
         }
       }
-    } else {
-      const uint64_t v1 = v_desc(sK + kTileBytes, 1), v0 = v_desc(sK, 1);
-#pragma unroll 1
-      for (int pr = 0; pr < n_pairs; ++pr) {
-        const uint32_t parity = pr & 1;
-        wait_half(1, 1, parity);
-        wgmma_fence();
-        issue_qk<M, 4, kCols, true>(s, sQ, sK + kTileBytes, blocks_of(1, parity));
-        wait_half(1, 0, parity);
-        issue_qk<M, 0, 4, false>(s, sQ, sK + kTileBytes, blocks_of(1, parity));
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(s);
-        // softmax of the odd tile against the max WG0 left after the even one
-        float mxA, mxB;
-        tile_max(s, key_begin + (2 * pr + 1) * kTileKeys, mxA, mxB);
-        named_sync(kBarMax0);
-        {
-          const float nA = next_max(s_max[rA], mxA), nB = next_max(s_max[rB], mxB);
-          const float aA = nA != runA ? fast_exp2(runA - nA) : 1.f, aB = nB != runB ? fast_exp2(runB - nB) : 1.f;
-          runA = nA;
-          runB = nB;
-          lA *= aA;
-          lB *= aB;
-          if (aA != 1.f || aB != 1.f) scale_o(o, aA, aB);
-        }
-        exp_tile(s, ps, runA, runB, lA, lB);
-        __syncwarp();  // every lane of a quad has read s_max before its first lane rewrites it
-        if (t4 == 0) {
-          s_max[rA] = runA;
-          s_max[rB] = runB;
-        }
-        named_arrive(kBarMax1);
-        // O[:, 256:512) += P1 V1, and P1 to WG0
-        wgmma_fence();
-        issue_pv_rs<M>(o, ps, v1);
-        wgmma_commit();
-        store_p(sP1, ps);
-        fence_proxy_async();
-        named_arrive(kBarP1);
-        // O[:, 256:512) += P0 V0
-        named_sync(kBarP0);
-        wgmma_fence();
-        issue_pv_ss<M>(o, sP0, v0);
-        wgmma_commit();
-        wgmma_wait<1>();
-        mbar_arrive(bar_free(1, 1));
-        wgmma_wait<0>();
-        fence_regs(o);
-        mbar_arrive(bar_free(0, 1));
-      }
-    }
 
-    // ---- epilogue: the row sums of both consumers, then this consumer's half of O ----
-    lA += __shfl_xor_sync(0xffffffffu, lA, 1);
-    lB += __shfl_xor_sync(0xffffffffu, lB, 1);
-    lA += __shfl_xor_sync(0xffffffffu, lA, 2);
-    lB += __shfl_xor_sync(0xffffffffu, lB, 2);
-    if (t4 == 0) {
-      s_sum[wg * kRows + rA] = lA;
-      s_sum[wg * kRows + rB] = lB;
-    }
-    named_sync(kBarSum);
-    // A slot outside kv_cache met by the producer, or a malformed batch: NaN rows.
-    const bool malformed = s_tile[0] == kMalformedBatch;
-    const bool slot_bad = bar_or<kBarLoaded, kThreads>(false);
-    const bool range_bad = Fp8 && (bar_or<kBarLoaded, kThreads>(false) || !k_scale_usable(k_scale));
-    const bool direct = p.splits == 1, bad = slot_bad || range_bad || malformed;
-    if (bad && tid == 0)
-      raise_guard(p.guard, malformed ? kGuardVerifyIndptr : slot_bad ? kGuardKvSlot : kGuardFp8Range);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = half ? rB : rA, m = row0 + r;
-      if (m >= rows_b) continue;
-      const float l = s_sum[r] + s_sum[kRows + r], mx = half ? runB : runA;
-      const float inv = bad ? kNaN : l > 0.f ? k_scale / l : 0.f;
-      const int node = m / p.heads, head = m - node * p.heads;
-      if (direct) {
-        T* dst = p.out + (q_begin + node) * p.out_st + head * p.out_sh + wg * 256 + t4 * 2;
-#pragma unroll
-        for (int j = 0; j < 32; ++j)
-          *reinterpret_cast<uint32_t*>(dst + j * 8) = pack2<T>(o[4 * j + 2 * half] * inv, o[4 * j + 2 * half + 1] * inv);
-      } else if (l > 0.f) {  // the merge never reads a row of a split that saw nothing
-        const int64_t grow = static_cast<int64_t>(q_begin) * p.heads + m;
-        float* dst = p.part_o + (split * p.rows_total + grow) * kDv + wg * 256 + t4 * 2;
-#pragma unroll
-        for (int j = 0; j < 32; ++j)
-          *reinterpret_cast<float2*>(dst + j * 8) = make_float2(o[4 * j + 2 * half] * inv, o[4 * j + 2 * half + 1] * inv);
+      // ---- epilogue: the row sums of both consumers, then this consumer's half of O ----
+      lA += __shfl_xor_sync(0xffffffffu, lA, 1);
+      lB += __shfl_xor_sync(0xffffffffu, lB, 1);
+      lA += __shfl_xor_sync(0xffffffffu, lA, 2);
+      lB += __shfl_xor_sync(0xffffffffu, lB, 2);
+      if (t4 == 0) {
+        s_sum[wg * kRows + rA] = lA;
+        s_sum[wg * kRows + rB] = lB;
       }
-      if (wg == 0 && t4 == 0) {
-        const float lse = bad ? kNaN : l > 0.f ? (mx + __log2f(l)) * 0.69314718055994531f : -INFINITY;
-        if (direct)
-          p.lse[(q_begin + node) * p.lse_st + head * p.lse_sh] = lse;
-        else
-          p.part_lse[split * p.rows_total + static_cast<int64_t>(q_begin) * p.heads + m] = lse;
+      named_sync(kBarSum);
+      // A slot outside kv_cache met by the producer, or a malformed batch: NaN rows.
+      const bool malformed = b == kMalformedBatch;
+      const bool slot_bad = bar_or<kBarLoaded, kThreads>(false);
+      const bool range_bad = Fp8 && (bar_or<kBarLoaded, kThreads>(false) || !k_scale_usable(k_scale));
+      const bool bad = slot_bad || range_bad || malformed;
+      if (bad && tid == 0)
+        raise_guard(p.guard, malformed ? kGuardVerifyIndptr : slot_bad ? kGuardKvSlot : kGuardFp8Range);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = half ? rB : rA, m = row0 + r;
+        if (m >= rows_b) continue;
+        const float l = s_sum[r] + s_sum[kRows + r], mx = half ? runB : runA;
+        const float inv = bad ? kNaN : l > 0.f ? k_scale / l : 0.f;
+        const int node = m / p.heads, head = m - node * p.heads;
+        if (direct) {
+          T* dst = p.out + (q_begin + node) * p.out_st + head * p.out_sh + wg * 256 + t4 * 2;
+#pragma unroll
+          for (int j = 0; j < 32; ++j)
+            *reinterpret_cast<uint32_t*>(dst + j * 8) = pack2<T>(o[4 * j + 2 * half] * inv, o[4 * j + 2 * half + 1] * inv);
+        } else if (l > 0.f) {  // the merge never reads a row of a split that saw nothing
+          float* dst = p.part_o + (part + r) * kDv + wg * 256 + t4 * 2;
+#pragma unroll
+          for (int j = 0; j < 32; ++j)
+            *reinterpret_cast<float2*>(dst + j * 8) = make_float2(o[4 * j + 2 * half] * inv, o[4 * j + 2 * half + 1] * inv);
+        }
+        if (wg == 0 && t4 == 0) {
+          const float lse = bad ? kNaN : l > 0.f ? (mx + __log2f(l)) * 0.69314718055994531f : -INFINITY;
+          if (direct)
+            p.lse[(q_begin + node) * p.lse_st + head * p.lse_sh] = lse;
+          else
+            p.part_lse[part + r] = lse;
+        }
       }
+      (block_bars ? block_pairs : half_pairs) += n_pairs;
     }
   }
 #else
