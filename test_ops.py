@@ -1354,12 +1354,14 @@ def test_verify_attn_cuda_sm90_boxable_instance(pool, tma, prefix, hint, want, m
 
 @pytest.mark.skipif(not GPU or torch.cuda.get_device_capability() != (9, 0), reason="the Hopper kernels serve sm_90 only")
 @pytest.mark.parametrize("prefix_lens,node_counts,heads,balance,want", [
-    ([5000] * 8, [9] * 8, 16, "1", True),  # 24 row tiles over 132 SMs
-    ([70001, 300, 5, 12000, 0], [9, 1, 33, 9, 2], 16, "1", True),  # unequal requests: shares meet several row tiles
-    ([3] * 40, [1] * 40, 16, "1", True),  # fewer 128-key chunks (40) than CTAs: empty shares
-    ([70001], [9], 16, "1", True),  # one request
-    ([5000] * 8, [9] * 8, 16, "", False),  # equal splits unless asked
+    ([5000] * 8, [9] * 8, 16, "", True),  # 24 row tiles never split evenly over 132 SMs
+    ([70001, 300, 5, 12000, 0], [9, 1, 33, 9, 2], 16, "", True),  # unequal requests: shares meet several row tiles
+    ([3] * 40, [1] * 40, 16, "", True),  # fewer 128-key chunks (40) than CTAs: empty shares
+    ([3000, 700], [1, 17], 16, "1", True),  # more row tiles than T / B nodes give: the last plane takes them
+    ([800] * 66, [1] * 66, 128, "", False),  # 132 row tiles of equal requests fill the SMs: equal splits
+    ([70001], [9], 16, "", False),  # one request: its equal splits are balanced already
     ([5000] * 8, [9] * 8, 16, "0", False),
+    ([70001], [9], 16, "1", True),
 ])
 def test_verify_attn_cuda_sm90_balanced_schedule(prefix_lens, node_counts, heads, balance, want, monkeypatch):
     """Which schedule serves a call on the seesaw kernel (KDTREE_VERIFY_BALANCE), read off the

@@ -545,8 +545,8 @@ constexpr int64_t kMaxSplits = 256;
 // in {1, 2, 4, 8, 16}: a block merges 512 / parts dims with parts streams of threads, each
 // stream taking every parts-th batch of splits. Rows of few requests need the parts: 16 rows
 // over 256 splits are 8 MB of partials, which 16 blocks read too few at a time. Under the
-// balanced schedule a row's partials are those of the CTAs whose shares meet its row tile
-// (balanced_parts); a row of a tile one CTA held whole was written by that CTA.
+// balanced schedule a row's partials are those of the CTAs of its plane whose shares meet its
+// row tile; a row of a tile one CTA held whole was written by that CTA.
 template <typename T, bool Balanced>
 __global__ void __launch_bounds__(128) merge_splits_kernel(const VerifyParams<T> p) {
   __shared__ float s_w[kMaxSplits];
@@ -570,18 +570,21 @@ __global__ void __launch_bounds__(128) merge_splits_kernel(const VerifyParams<T>
     BalancedWork w{};
     if constexpr (Balanced) {
       const int64_t t = row / p.heads;
-      w = scan_work(p, tid, [&](int64_t q0, int64_t q1, int64_t, int64_t) { return t >= q0 && t < q1; });
+      auto at_row = [&](int64_t q0, int64_t q1, int64_t, int64_t) { return t >= q0 && t < q1; };
       n = 0;  // a malformed batch: the kernel wrote the row
+      w = scan_work(p, tid, 0, at_row);
       if (w.b >= 0) {
-        const int64_t m = (t - w.q_begin) * p.heads + row % p.heads, r = m / kRows;
-        const int64_t unit_start = w.work0 + r * w.chunks;
+        const int64_t m = (t - w.q_begin) * p.heads + row % p.heads;
+        const int tile = static_cast<int>(m / kRows), plane = min(tile, p.planes - 1), unit = tile - plane;
+        w = scan_work(p, tid, plane, at_row);
+        const int64_t unit_start = w.work0 + static_cast<int64_t>(unit) * w.chunks;
         c_first = share_of(w.work, p.balanced, unit_start);
         n = share_of(w.work, p.balanced, unit_start + w.chunks - 1) - c_first + 1;
-        first = (c_first + w.unit0 + r) * kRows + m % kRows;
+        first = (plane_ids(p, plane) + c_first + w.unit0 + unit) * kRows + m % kRows;
         step = kRows;
       }
     }
-    // Under the balanced schedule a CTA with an empty share (W < G) wrote nothing.
+    // Under the balanced schedule a CTA with an empty share (W_r < G) wrote nothing.
     auto has = [&](int s) {
       return !Balanced || share_begin(w.work, p.balanced, c_first + s) < share_begin(w.work, p.balanced, c_first + s + 1);
     };
@@ -853,22 +856,32 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
     if (staged16) splits = staged_splits;
   }
   KD_CHECK(tiles < (int64_t{1} << 31), "too many rows");
-  // KDTREE_VERIFY_BALANCE=1 puts the seesaw kernel on the balanced schedule (BalancedWork: the
-  // same share of the whole batch's work on every SM). Opt-in: on an H200 it ran requests of
-  // unequal lengths 1.04-1.65x faster than equal splits of each request, and equal ones
-  // 0.75-0.94x as fast (the row tiles of a request no longer read its keys at the same time,
-  // so L2 serves fewer of them). With a hint, each CTA keeps two tile pairs on average.
-  const bool balanced = which == VerifyKernel::kSeesaw && env_flag("KDTREE_VERIFY_BALANCE", false);
-  int64_t balanced_ctas = std::min<int64_t>(slots, kMaxSplits);
+  // The seesaw kernel takes a batch on the balanced schedule (BalancedWork: the same share of
+  // the whole batch's work on every SM) unless the requests have equal trees and their row
+  // tiles x splits fill one wave to 95% or more. Equal splits of each request wait on the
+  // longest one: on an H200 the balanced schedule ran batches whose lengths spread from 1k-2k
+  // to 32k-64k 1.13-2.04x faster, and equal lengths 0.96x as fast where the splits take two
+  // waves (8 x 16 x 9 @64k), 0.69x where one wave of whole requests fills the SMs (64 x 128 x 1
+  // @8k: every share then ends in a partial). KDTREE_VERIFY_BALANCE=0 or 1 forces the choice.
+  const int64_t planned = work_tiles * splits;
+  const bool one_full_wave = T % batch == 0 && planned <= slots && 20 * planned >= 19 * slots;
+  const bool balanced = which == VerifyKernel::kSeesaw && env_flag("KDTREE_VERIFY_BALANCE", batch > 1 && !one_full_wave);
+  // Planes: the row tiles of a request of T / B nodes (a request with more takes its further
+  // tiles in the last plane); CTAs per plane: the SMs' share of one plane, or, with a hint, so
+  // that each keeps two tile pairs on average.
+  const int64_t planes = T % batch == 0 ? std::max<int64_t>(1, ceil_div(T / batch * H, kRows)) : 1;
+  int64_t plane_ctas = std::clamp<int64_t>(slots / planes, 1, kMaxSplits);
   if (max_kv_len >= 0) {
-    const int64_t work_bound = work_tiles * ceil_div(max_kv_len + T / batch, kChunkKeys);
-    balanced_ctas = std::clamp<int64_t>(work_bound / 2, 1, balanced_ctas);
+    const int64_t plane_work_bound = batch * ceil_div(max_kv_len + T / batch, kChunkKeys);
+    plane_ctas = std::clamp<int64_t>(plane_work_bound / 2, 1, plane_ctas);
   }
+  KD_CHECK(!balanced || planes < 65536, "too many rows per request for the balanced schedule");
 
   at::Tensor part_o, part_lse;
   if (balanced) {
-    part_o = at::empty({(balanced_ctas + tiles) * kRows, kDv}, q.options().dtype(at::kFloat));
-    part_lse = at::empty({(balanced_ctas + tiles) * kRows}, q.options().dtype(at::kFloat));
+    const int64_t ids = (planes - 1) * (plane_ctas + batch) + plane_ctas + tiles;
+    part_o = at::empty({ids * kRows, kDv}, q.options().dtype(at::kFloat));
+    part_lse = at::empty({ids * kRows}, q.options().dtype(at::kFloat));
   } else if (splits > 1) {
     part_o = at::empty({splits, T * H, kDv}, q.options().dtype(at::kFloat));
     part_lse = at::empty({splits, T * H}, q.options().dtype(at::kFloat));
@@ -897,7 +910,8 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
     p.batch = static_cast<int>(batch);
     p.heads = static_cast<int>(H);
     p.splits = balanced ? 1 : static_cast<int>(splits);
-    p.balanced = balanced ? static_cast<int>(balanced_ctas) : 0;
+    p.balanced = balanced ? static_cast<int>(plane_ctas) : 0;
+    p.planes = static_cast<int>(planes);
     p.scale_log2 = static_cast<float>(sm_scale * 1.4426950408889634);
     p.out = static_cast<T_*>(out.data_ptr());
     p.out_st = out.stride(0);
@@ -914,7 +928,7 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
     p.guard = guard_words();
 
     const bool idx32 = kv_indices.scalar_type() == at::kInt;
-    const dim3 grid = balanced ? dim3(static_cast<unsigned>(balanced_ctas))
+    const dim3 grid = balanced ? dim3(static_cast<unsigned>(plane_ctas), static_cast<unsigned>(planes))
                                : dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(splits));
     if (which == VerifyKernel::kPortable && rows == Cta48::kRows) {
       launch_portable<Cta48>(p, fp8, idx32, grid);

@@ -2,7 +2,8 @@
 // (verify_attn_sm90_seesaw.cu, verify_attn_sm90.cu). All take the same grid (CTA = one
 // request's kRows (node, head) rows x one split of its keys) and write the same direct or
 // partial outputs, so the host's split heuristic and the split merge serve any of them; how a
-// request's keys are split may differ between kernels (the merge is order-free).
+// request's keys are split may differ between kernels (the merge is order-free). The seesaw
+// kernel also runs the balanced schedule (BalancedWork), with a merge of its own layout.
 #pragma once
 
 #include "common.cuh"
@@ -42,11 +43,12 @@ template <typename T> struct VerifyParams {
   int64_t mask_stride;
   int mask_words;
   int batch, heads, splits;
-  // > 0: the balanced schedule over this many CTAs (BalancedWork) instead of splits.
-  int balanced;
+  // > 0: the balanced schedule over this many CTAs per plane, `planes` planes (BalancedWork),
+  // instead of splits.
+  int balanced, planes;
   float scale_log2;
   // direct output (splits == 1) or partials [splits][T*H][512] + [splits][T*H]; under the
-  // balanced schedule [G + row tiles][64][512] + [G + row tiles][64] (BalancedWork)
+  // balanced schedule [ids][64][512] + [ids][64] (BalancedWork, plane_ids)
   T* out;
   int64_t out_st, out_sh;
   float* lse;
@@ -237,33 +239,35 @@ __device__ __forceinline__ void find_row_tile(const VerifyParams<T>& p, int tile
   }
 }
 
-// The balanced schedule (p.balanced = G CTAs on a 1-D grid; the seesaw kernel). Splitting
-// every request into the same number of CTAs leaves SMs idle or runs a second wave where the
-// row tiles do not divide the SMs (8 requests x 3 row tiles over 132 SMs), and waits on the
-// longest request where lengths differ. Instead the batch's work, W = the sum over requests of
-// row tiles x kChunkKeys-key chunks of its keys (prefix, then tree nodes), is laid out in
-// order (request, row tile, chunk), and CTA c takes chunks [c W / G, (c + 1) W / G): equal
-// shares, each walking one or more segments (a run of chunks of one row tile, "unit" u in
-// (request, row tile) order). A segment that holds its whole unit writes the output; any
-// other writes partial rows [64 (c + u), +64), unique since from one segment of the schedule
-// to the next c or u (or both) grows; the merge sums a unit's partials over the CTAs whose
-// shares meet it (balanced_parts).
+// The balanced schedule (the seesaw kernel; grid (p.balanced = G, p.planes)). Splitting every
+// request into the same number of CTAs waits on the longest request where lengths differ, and
+// leaves SMs idle or runs a second wave where the row tiles do not divide the SMs. Instead
+// plane r (blockIdx.y) takes row tile r of every request (the last plane also every further
+// row tile, one after the other: requests with more nodes than the host assumed), and lays
+// their keys in 128-key chunks out in (request, row tile, chunk) order: W_r chunks, of which
+// CTA c takes [c W_r / G, (c + 1) W_r / G). Equal shares, and the CTAs of one c read the same
+// keys of a request's row tiles at the same time (L2 serves all but the first). A share walks
+// one or more segments (a run of chunks of one "unit" (request, row tile)); a segment that
+// holds its whole unit writes the output, any other partial rows [64 id, +64), id = the
+// plane's base + c + the unit's place in the plane (unique: from one segment of a plane to the
+// next c or the unit or both grow); the merge sums a unit's partials over the CTAs whose shares
+// meet it.
 constexpr int kChunkKeys = 128;
 struct BalancedWork {
   int b;          // the request found: kNoWork if none, kMalformedBatch for a bad batch (find_row_tile's test)
-  int unit0;      // its row tile 0's unit
+  int unit0;      // its first unit's place in the plane
   int chunks;     // its chunks
   int keys;       // its keys (prefix + nodes)
   int nodes;
   int q_begin;    // its first node
   int kv_begin;   // its first prefix slot's place in kv_indices
-  int64_t work0;  // its first chunk's place in the work
-  int64_t work;   // W
+  int64_t work0;  // its first chunk's place in the plane's work
+  int64_t work;   // the plane's work W_r
 };
-// Called by one full warp: the batch's work, and the first request (in order) for which
-// hit(q_begin, q_end, work0, work_of_request) holds.
+// Called by one full warp: plane `plane`'s work, and the first request (in order) for which
+// hit(q_begin, q_end, work0, its work in the plane) holds.
 template <typename T, typename Hit>
-__device__ __forceinline__ BalancedWork scan_work(const VerifyParams<T>& p, int lane, Hit hit) {
+__device__ __forceinline__ BalancedWork scan_work(const VerifyParams<T>& p, int lane, int plane, Hit hit) {
   BalancedWork w{kNoWork, 0, 0, 0, 0, 0, 0, 0, 0};
   int unit_base = 0;
   int64_t work_base = 0;
@@ -271,7 +275,7 @@ __device__ __forceinline__ BalancedWork scan_work(const VerifyParams<T>& p, int 
   for (int b0 = 0; b0 < p.batch; b0 += 32) {
     const int b = b0 + lane;
     int64_t q0 = 0, q1 = 0, k0 = 0;
-    int tiles = 0, chunks = 0, keys = 0;
+    int units = 0, chunks = 0, keys = 0;
     if (b < p.batch) {
       q0 = p.qo_indptr[b];
       q1 = p.qo_indptr[b + 1];
@@ -280,16 +284,17 @@ __device__ __forceinline__ BalancedWork scan_work(const VerifyParams<T>& p, int 
       bad |= request_malformed(p, b, q0, q1, k0, k1);
       if (!bad) {
         const int nodes = static_cast<int>(q1 - q0);
+        const int tiles = (nodes * p.heads + kRows - 1) / kRows;
+        units = plane < p.planes - 1 ? (plane < tiles ? 1 : 0) : max(tiles - plane, 0);
         keys = static_cast<int>(k1 - k0) + nodes;
-        tiles = (nodes * p.heads + kRows - 1) / kRows;
         chunks = (keys + kChunkKeys - 1) / kChunkKeys;
       }
     }
-    const int64_t work = static_cast<int64_t>(tiles) * chunks;
+    const int64_t work = static_cast<int64_t>(units) * chunks;
     const int64_t work_incl = warp_inclusive_scan(work);
-    const int tiles_incl = warp_inclusive_scan(tiles);
+    const int units_incl = warp_inclusive_scan(units);
     const int64_t work0 = work_base + work_incl - work;
-    const int unit0 = unit_base + tiles_incl - tiles;
+    const int unit0 = unit_base + units_incl - units;
     const unsigned who = __ballot_sync(0xffffffffu, b < p.batch && !bad && hit(q0, q1, work0, work));
     if (who && w.b == kNoWork) {
       const int src = __ffs(who) - 1;
@@ -303,17 +308,21 @@ __device__ __forceinline__ BalancedWork scan_work(const VerifyParams<T>& p, int 
       w.work0 = __shfl_sync(0xffffffffu, work0, src);
     }
     work_base += __shfl_sync(0xffffffffu, work_incl, 31);
-    unit_base += __shfl_sync(0xffffffffu, tiles_incl, 31);
+    unit_base += __shfl_sync(0xffffffffu, units_incl, 31);
   }
   w.work = work_base;
   if (__any_sync(0xffffffffu, bad)) w.b = kMalformedBatch;
   return w;
 }
 // The first chunk of CTA c's share, and the CTA whose share holds chunk x (shares may be
-// empty where W < G; the last CTA whose share starts at or before x).
+// empty where W_r < G; the last CTA whose share starts at or before x).
 __device__ __forceinline__ int64_t share_begin(int64_t work, int ctas, int c) { return c * work / ctas; }
 __device__ __forceinline__ int share_of(int64_t work, int ctas, int64_t x) {
   return static_cast<int>(((x + 1) * ctas + work - 1) / work) - 1;
+}
+// Plane r's first partial row id: each plane but the last holds at most G + batch ids.
+template <typename T> __device__ __forceinline__ int64_t plane_ids(const VerifyParams<T>& p, int plane) {
+  return static_cast<int64_t>(plane) * (p.balanced + p.batch);
 }
 
 // What one CTA covers of request b: its rows, and its split of the prefix (an equal, 32-key

@@ -19,7 +19,8 @@
 //    tensor cores run the other's products. The running max goes WG0 -> WG1 -> WG0 through
 //    shared memory; WG0 rescales its P and O once WG1 has seen the odd tile.
 // Keys: request b's keys are its prefix slots followed by its tree nodes; a CTA takes an
-// equal, 128-key aligned share of them (its prefix split). Only a tile that reaches the tree
+// equal, 128-key aligned share of them (its prefix split), or under the balanced schedule its
+// share of the whole batch's, one segment after another. Only a tile that reaches the tree
 // (or the end) runs mask code; every prefix tile is unmasked. An odd tile count leaves the
 // last pair's odd tile past the end: zero-filled and fully masked.
 // Shared memory (226 KB): Q 72 KB + 2 K buffers x 72 KB + P of the odd tile 8 KB; the even
@@ -246,10 +247,10 @@ __device__ __forceinline__ SeesawSegment split_segment(const VerifyParams<T>& p,
 }
 // Called by one full warp under the balanced schedule: this CTA's segment after `prev`
 // (null: its first), b = kNoWork past its share. A malformed batch has each CTA write NaN
-// rows straight out, row tiles blockIdx.x, + G, + 2G, ...
+// rows straight out, row tiles blockIdx.y G + blockIdx.x, + G planes, ...
 template <typename T>
 __device__ __forceinline__ SeesawSegment balanced_segment(const VerifyParams<T>& p, int lane, const SeesawSegment* prev) {
-  const int c = blockIdx.x, ctas = p.balanced;
+  const int c = blockIdx.x, plane = blockIdx.y, ctas = p.balanced;
   SeesawSegment s{};
   s.b = kNoWork;
   auto bad_batch_tile = [&](int64_t tile) {
@@ -258,27 +259,27 @@ __device__ __forceinline__ SeesawSegment balanced_segment(const VerifyParams<T>&
       s.row0 = static_cast<int>(tile * kRows);
       s.rows_b = static_cast<int>(p.rows_total);
       s.direct = true;
-      s.next = tile + ctas;
+      s.next = tile + static_cast<int64_t>(ctas) * p.planes;
     }
     return s;
   };
   if (prev && prev->b == kMalformedBatch) return bad_batch_tile(prev->next);
   int64_t pos = prev ? prev->next : -1;
   auto at_pos = [&](int64_t, int64_t, int64_t work0, int64_t work) { return pos >= work0 && pos < work0 + work; };
-  BalancedWork w = scan_work(p, lane, at_pos);
-  if (w.b == kMalformedBatch) return bad_batch_tile(c);
+  BalancedWork w = scan_work(p, lane, plane, at_pos);
+  if (w.b == kMalformedBatch) return bad_batch_tile(static_cast<int64_t>(plane) * ctas + c);
   if (!prev) {
     pos = share_begin(w.work, ctas, c);
-    w = scan_work(p, lane, at_pos);
+    w = scan_work(p, lane, plane, at_pos);
   }
   const int64_t end = share_begin(w.work, ctas, c + 1);
   if (pos >= end || w.b < 0) return s;
-  const int r = static_cast<int>((pos - w.work0) / w.chunks);
-  const int64_t unit_start = w.work0 + static_cast<int64_t>(r) * w.chunks;
+  const int unit = static_cast<int>((pos - w.work0) / w.chunks);  // of this request's in the plane
+  const int64_t unit_start = w.work0 + static_cast<int64_t>(unit) * w.chunks;
   const int c0 = static_cast<int>(pos - unit_start);
   const int c1 = static_cast<int>(min(end - unit_start, static_cast<int64_t>(w.chunks)));
   s.b = w.b;
-  s.row0 = r * kRows;
+  s.row0 = (plane + unit) * kRows;
   s.q_begin = w.q_begin;
   s.rows_b = w.nodes * p.heads;
   s.kv_begin = w.kv_begin;
@@ -287,7 +288,7 @@ __device__ __forceinline__ SeesawSegment balanced_segment(const VerifyParams<T>&
   s.key_end = min(c1 * kPairKeys, w.keys);
   s.n_pairs = c1 - c0;
   s.direct = c0 == 0 && c1 == w.chunks;
-  s.part = static_cast<int64_t>(c + w.unit0 + r) * kRows;
+  s.part = (plane_ids(p, plane) + c + w.unit0 + unit) * kRows;
   s.next = unit_start + c1;
   return s;
 }
