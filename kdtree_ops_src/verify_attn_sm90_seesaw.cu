@@ -225,6 +225,7 @@ __device__ __forceinline__ SeesawSegment split_segment(const VerifyParams<T>& p,
   c.b = b;
   c.row0 = row0;
   c.direct = p.splits == 1;
+  if (b == kNoWork) return c;  // a tile past the work: the CTA returns (and reads no indptr)
   if (b == kMalformedBatch) {  // rows to write NaN, no keys (find_row_tile)
     c.rows_b = static_cast<int>(p.rows_total);
     c.part = split * p.rows_total + row0;
