@@ -576,7 +576,7 @@ __global__ void __launch_bounds__(128) merge_splits_kernel(const VerifyParams<T>
       if (w.b >= 0) {
         const int64_t m = (t - w.q_begin) * p.heads + row % p.heads;
         const int tile = static_cast<int>(m / kRows), plane = min(tile, p.planes - 1), unit = tile - plane;
-        w = scan_work(p, tid, plane, at_row);
+        if (plane > 0) w = scan_work(p, tid, plane, at_row);  // plane 0's is the scan above
         const int64_t unit_start = w.work0 + static_cast<int64_t>(unit) * w.chunks;
         c_first = share_of(w.work, p.balanced, unit_start);
         n = share_of(w.work, p.balanced, unit_start + w.chunks - 1) - c_first + 1;
