@@ -553,7 +553,7 @@ __global__ void __launch_bounds__(128) merge_splits_kernel(const VerifyParams<T>
   __shared__ float s_lse;
   __shared__ float4 s_acc[128];
   __shared__ int s_parts;
-  __shared__ int64_t s_first, s_step;
+  __shared__ int64_t s_first, s_step, s_tail;
   const int64_t row = blockIdx.x;
   const int tid = threadIdx.x, parts = gridDim.y;
   const int stream_lanes = 128 / parts, stream = tid / stream_lanes;
@@ -563,9 +563,10 @@ __global__ void __launch_bounds__(128) merge_splits_kernel(const VerifyParams<T>
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
   if (tid < 32) {
-    // Partial s of this row is partial row first + s * step, if it was written (has).
+    // Partial s of this row is partial row first + s * step (+ tail for s = 0), if it was
+    // written (has).
     int n = p.splits;
-    int64_t first = row, step = p.rows_total;
+    int64_t first = row, step = p.rows_total, tail = 0;
     int c_first = 0;
     BalancedWork w{};
     if constexpr (Balanced) {
@@ -580,15 +581,18 @@ __global__ void __launch_bounds__(128) merge_splits_kernel(const VerifyParams<T>
         const int64_t unit_start = w.work0 + static_cast<int64_t>(unit) * w.chunks;
         c_first = share_of(w.work, p.balanced, unit_start);
         n = share_of(w.work, p.balanced, unit_start + w.chunks - 1) - c_first + 1;
-        first = (plane_ids(p, plane) + c_first + w.unit0 + unit) * kRows + m % kRows;
-        step = kRows;
+        // The first of these CTAs met the unit in its share's last segment unless its share
+        // starts with the unit; every further one in its first.
+        first = share_partial(p, plane, c_first, false) + m % kRows;
+        step = 2 * kRows;
+        if (share_begin(w.work, p.balanced, c_first) < unit_start) tail = kRows;
       }
     }
     // Under the balanced schedule a CTA with an empty share (W_r < G) wrote nothing.
     auto has = [&](int s) {
       return !Balanced || share_begin(w.work, p.balanced, c_first + s) < share_begin(w.work, p.balanced, c_first + s + 1);
     };
-    auto lse_of = [&](int s) { return has(s) ? p.part_lse[first + s * step] : -INFINITY; };
+    auto lse_of = [&](int s) { return has(s) ? p.part_lse[first + s * step + (s == 0 ? tail : 0)] : -INFINITY; };
     float mx = -INFINITY;
     for (int s = tid; s < n; s += 32) mx = fmaxf(mx, lse_of(s));
 #pragma unroll
@@ -610,11 +614,12 @@ __global__ void __launch_bounds__(128) merge_splits_kernel(const VerifyParams<T>
       s_parts = n;
       s_first = first;
       s_step = step;
+      s_tail = tail;
     }
   }
   __syncthreads();
   const int n = s_parts;
-  const int64_t first = s_first, step = s_step;
+  const int64_t first = s_first, step = s_step, tail = s_tail;
   if (Balanced && n <= 1) return;
   // Loads in batches of eight splits before their sums: one at a time, each would wait a
   // full memory latency.
@@ -628,7 +633,8 @@ __global__ void __launch_bounds__(128) merge_splits_kernel(const VerifyParams<T>
     for (int i = 0; i < kBatch; ++i) {
       w[i] = s0 + i < n ? s_w[s0 + i] : 0.f;
       // An empty split's values were never written: not read, so they cannot bring a NaN.
-      v[i] = w[i] != 0.f ? *reinterpret_cast<const float4*>(p.part_o + (first + (s0 + i) * step) * kDv + dim)
+      const int64_t prow = first + (s0 + i) * step + (s0 + i == 0 ? tail : 0);
+      v[i] = w[i] != 0.f ? *reinterpret_cast<const float4*>(p.part_o + prow * kDv + dim)
                          : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 #pragma unroll
@@ -879,9 +885,9 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
 
   at::Tensor part_o, part_lse;
   if (balanced) {
-    const int64_t ids = (planes - 1) * (plane_ctas + batch) + plane_ctas + tiles;
-    part_o = at::empty({ids * kRows, kDv}, q.options().dtype(at::kFloat));
-    part_lse = at::empty({ids * kRows}, q.options().dtype(at::kFloat));
+    const int64_t partials = planes * plane_ctas * 2;  // share_partial
+    part_o = at::empty({partials * kRows, kDv}, q.options().dtype(at::kFloat));
+    part_lse = at::empty({partials * kRows}, q.options().dtype(at::kFloat));
   } else if (splits > 1) {
     part_o = at::empty({splits, T * H, kDv}, q.options().dtype(at::kFloat));
     part_lse = at::empty({splits, T * H}, q.options().dtype(at::kFloat));

@@ -48,7 +48,7 @@ template <typename T> struct VerifyParams {
   int balanced, planes;
   float scale_log2;
   // direct output (splits == 1) or partials [splits][T*H][512] + [splits][T*H]; under the
-  // balanced schedule [ids][64][512] + [ids][64] (BalancedWork, plane_ids)
+  // balanced schedule [planes][G][2][64][512] + [planes][G][2][64] (BalancedWork, share_partial)
   T* out;
   int64_t out_st, out_sh;
   float* lse;
@@ -248,14 +248,13 @@ __device__ __forceinline__ void find_row_tile(const VerifyParams<T>& p, int tile
 // CTA c takes [c W_r / G, (c + 1) W_r / G). Equal shares, and the CTAs of one c read the same
 // keys of a request's row tiles at the same time (L2 serves all but the first). A share walks
 // one or more segments (a run of chunks of one "unit" (request, row tile)); a segment that
-// holds its whole unit writes the output, any other partial rows [64 id, +64), id = the
-// plane's base + c + the unit's place in the plane (unique: from one segment of a plane to the
-// next c or the unit or both grow); the merge sums a unit's partials over the CTAs whose shares
-// meet it.
+// holds its whole unit writes the output. Only a share's first and last segments can hold
+// part of a unit (the ones between are whole), so a CTA writes at most two partials: rows
+// [64 id, +64) of id = 2 (r G + c) for its first segment and 2 (r G + c) + 1 for its last
+// (share_partial); the merge sums a unit's partials over the CTAs whose shares meet it.
 constexpr int kChunkKeys = 128;
 struct BalancedWork {
   int b;          // the request found: kNoWork if none, kMalformedBatch for a bad batch (find_row_tile's test)
-  int unit0;      // its first unit's place in the plane
   int chunks;     // its chunks
   int keys;       // its keys (prefix + nodes)
   int nodes;
@@ -268,8 +267,7 @@ struct BalancedWork {
 // hit(q_begin, q_end, work0, its work in the plane) holds.
 template <typename T, typename Hit>
 __device__ __forceinline__ BalancedWork scan_work(const VerifyParams<T>& p, int lane, int plane, Hit hit) {
-  BalancedWork w{kNoWork, 0, 0, 0, 0, 0, 0, 0, 0};
-  int unit_base = 0;
+  BalancedWork w{kNoWork, 0, 0, 0, 0, 0, 0, 0};
   int64_t work_base = 0;
   bool bad = false;
   for (int b0 = 0; b0 < p.batch; b0 += 32) {
@@ -292,14 +290,11 @@ __device__ __forceinline__ BalancedWork scan_work(const VerifyParams<T>& p, int 
     }
     const int64_t work = static_cast<int64_t>(units) * chunks;
     const int64_t work_incl = warp_inclusive_scan(work);
-    const int units_incl = warp_inclusive_scan(units);
     const int64_t work0 = work_base + work_incl - work;
-    const int unit0 = unit_base + units_incl - units;
     const unsigned who = __ballot_sync(0xffffffffu, b < p.batch && !bad && hit(q0, q1, work0, work));
     if (who && w.b == kNoWork) {
       const int src = __ffs(who) - 1;
       w.b = __shfl_sync(0xffffffffu, b, src);
-      w.unit0 = __shfl_sync(0xffffffffu, unit0, src);
       w.chunks = __shfl_sync(0xffffffffu, chunks, src);
       w.keys = __shfl_sync(0xffffffffu, keys, src);
       w.nodes = __shfl_sync(0xffffffffu, static_cast<int>(q1 - q0), src);
@@ -308,7 +303,6 @@ __device__ __forceinline__ BalancedWork scan_work(const VerifyParams<T>& p, int 
       w.work0 = __shfl_sync(0xffffffffu, work0, src);
     }
     work_base += __shfl_sync(0xffffffffu, work_incl, 31);
-    unit_base += __shfl_sync(0xffffffffu, units_incl, 31);
   }
   w.work = work_base;
   if (__any_sync(0xffffffffu, bad)) w.b = kMalformedBatch;
@@ -320,9 +314,10 @@ __device__ __forceinline__ int64_t share_begin(int64_t work, int ctas, int c) { 
 __device__ __forceinline__ int share_of(int64_t work, int ctas, int64_t x) {
   return static_cast<int>(((x + 1) * ctas + work - 1) / work) - 1;
 }
-// Plane r's first partial row id: each plane but the last holds at most G + batch ids.
-template <typename T> __device__ __forceinline__ int64_t plane_ids(const VerifyParams<T>& p, int plane) {
-  return static_cast<int64_t>(plane) * (p.balanced + p.batch);
+// The first partial row of CTA c of plane r: that of its share's first segment, or + 64 that
+// of its last.
+template <typename T> __device__ __forceinline__ int64_t share_partial(const VerifyParams<T>& p, int plane, int c, bool last) {
+  return ((static_cast<int64_t>(plane) * p.balanced + c) * 2 + last) * kRows;
 }
 
 // What one CTA covers of request b: its rows, and its split of the prefix (an equal, 32-key

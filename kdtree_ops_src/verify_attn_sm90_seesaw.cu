@@ -289,7 +289,7 @@ __device__ __forceinline__ SeesawSegment balanced_segment(const VerifyParams<T>&
   s.key_end = min(c1 * kPairKeys, w.keys);
   s.n_pairs = c1 - c0;
   s.direct = c0 == 0 && c1 == w.chunks;
-  s.part = (plane_ids(p, plane) + c + w.unit0 + unit) * kRows;
+  s.part = share_partial(p, plane, c, prev != nullptr);
   s.next = unit_start + c1;
   return s;
 }
