@@ -1011,8 +1011,9 @@ VERIFY_GRID = [  # (prefix lens, node counts, heads)
     ([45, 3, 200] * 100, [1] * 300, 13),  # 300 one-node requests: sm_90's staged 16-row CTA over fp8 pools
 ]
 
-# The kernels verify_attn chooses from on an H100/H200 (sm_90); on any other GPU the first two
-# settings run the portable kernel with the row tile the shape picks.
+# The kernels verify_attn chooses from on an H100/H200 (sm_90), and their schedules (equal splits
+# of each request, or the balanced one: BalancedWork); on any other GPU the first three settings
+# run the portable kernel with the row tile the shape picks.
 VERIFY_KERNEL_ENV = {
     # 64-row tiles keep the seesaw kernel on the small fp8 requests it would hand to the
     # portable kernel's 16-row CTA (test_verify_attn_cuda_sm90_kernel_choice).
@@ -1020,9 +1021,12 @@ VERIFY_KERNEL_ENV = {
     # the seesaw kernel on the balanced schedule (BalancedWork), even for one request
     "balanced": {"KDTREE_VERIFY_ROWS": "64", "KDTREE_VERIFY_BALANCE": "1"},
     "wgmma": {"KDTREE_VERIFY_SEESAW": "0"},
-    "portable": {"KDTREE_VERIFY_WGMMA": "0", "KDTREE_VERIFY_ROWS": "64"},
-    "portable48": {"KDTREE_VERIFY_WGMMA": "0", "KDTREE_VERIFY_ROWS": "48"},
-    "portable16": {"KDTREE_VERIFY_WGMMA": "0", "KDTREE_VERIFY_ROWS": "16"},
+    "portable": {"KDTREE_VERIFY_WGMMA": "0", "KDTREE_VERIFY_ROWS": "64", "KDTREE_VERIFY_BALANCE": "0"},
+    "portable48": {"KDTREE_VERIFY_WGMMA": "0", "KDTREE_VERIFY_ROWS": "48", "KDTREE_VERIFY_BALANCE": "0"},
+    "portable16": {"KDTREE_VERIFY_WGMMA": "0", "KDTREE_VERIFY_ROWS": "16", "KDTREE_VERIFY_BALANCE": "0"},
+    "portable_balanced": {"KDTREE_VERIFY_WGMMA": "0", "KDTREE_VERIFY_ROWS": "64", "KDTREE_VERIFY_BALANCE": "1"},
+    "portable48_balanced": {"KDTREE_VERIFY_WGMMA": "0", "KDTREE_VERIFY_ROWS": "48", "KDTREE_VERIFY_BALANCE": "1"},
+    "portable16_balanced": {"KDTREE_VERIFY_WGMMA": "0", "KDTREE_VERIFY_ROWS": "16", "KDTREE_VERIFY_BALANCE": "1"},
 }
 
 
@@ -1352,7 +1356,8 @@ def test_verify_attn_cuda_sm90_boxable_instance(pool, tma, prefix, hint, want, m
     assert_verify_close(out, lse, ref)
 
 
-@pytest.mark.skipif(not GPU or torch.cuda.get_device_capability() != (9, 0), reason="the Hopper kernels serve sm_90 only")
+@needs_gpu
+@pytest.mark.parametrize("kernel", ["seesaw", "portable"])
 @pytest.mark.parametrize("prefix_lens,node_counts,heads,balance,want", [
     ([5000] * 8, [9] * 8, 16, "", True),  # 24 row tiles never split evenly over 132 SMs
     ([70001, 300, 5, 12000, 0], [9, 1, 33, 9, 2], 16, "", True),  # unequal requests: shares meet several row tiles
@@ -1363,11 +1368,16 @@ def test_verify_attn_cuda_sm90_boxable_instance(pool, tma, prefix, hint, want, m
     ([5000] * 8, [9] * 8, 16, "0", False),
     ([70001], [9], 16, "1", True),
 ])
-def test_verify_attn_cuda_sm90_balanced_schedule(prefix_lens, node_counts, heads, balance, want, monkeypatch):
-    """Which schedule serves a call on the seesaw kernel (KDTREE_VERIFY_BALANCE), read off the
-    merge kernel's Balanced argument, and that either gives the reference's output."""
+def test_verify_attn_cuda_balanced_schedule(kernel, prefix_lens, node_counts, heads, balance, want, monkeypatch):
+    """Which schedule serves a call (KDTREE_VERIFY_BALANCE), read off the merge kernel's
+    Balanced argument, and that either gives the reference's output; on the seesaw kernel
+    (sm_90) and the portable one."""
+    if kernel == "seesaw" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the seesaw kernel serves sm_90 only")
     for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA", "KDTREE_VERIFY_ROWS", "KDTREE_VERIFY_BALANCE"):
         monkeypatch.delenv(name, raising=False)
+    if kernel == "portable":
+        monkeypatch.setenv("KDTREE_VERIFY_WGMMA", "0")
     if balance:
         monkeypatch.setenv("KDTREE_VERIFY_BALANCE", balance)
     case = make_verify_case(prefix_lens, node_counts, heads, slots="pages")

@@ -5,7 +5,9 @@
 // them; the prefix is split across CTAs (flash-decoding) so one request fills the GPU; the
 // last split also runs the request's own tree keys under the ancestor mask, continuing the
 // same online softmax. With one split the CTA writes the final output; otherwise partials
-// are merged by log-sum-exp in a second kernel.
+// are merged by log-sum-exp in a second kernel. A batch may instead run the balanced schedule
+// (BalancedWork, verify_attn.cuh): a CTA walks one segment of keys after another, each a run
+// of one request's row tile, as its equal share of the whole batch's work.
 //
 // CTA: 8 warps, 64 rows. S = Q K^T: warp (rt = w % 4, dh = w / 4) owns rows 16*rt.. and
 // half the 576 dims, Q held in registers; the two halves are summed through shared memory.
@@ -120,6 +122,26 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
   }
 }
 
+// Split `split` of row tile row0 of request b (cta_span) as a segment: its prefix split, and
+// the tree's keys if it is the last.
+template <typename T>
+__device__ __forceinline__ Segment prefix_split_segment(const VerifyParams<T>& p, int b, int row0, int split) {
+  Segment s{};
+  s.b = b;
+  if (b == kNoWork) return s;  // a tile past the work: the CTA returns (and reads no indptr)
+  const CtaSpan c = cta_span(p, b, split);
+  s.row0 = row0;
+  s.q_begin = c.q_begin;
+  s.rows_b = c.rows_b;
+  s.kv_begin = c.kv_begin;
+  s.prefix = b == kMalformedBatch ? 0 : static_cast<int>(p.kv_indptr[b + 1]) - c.kv_begin;
+  s.key_begin = c.pre_begin;
+  s.key_end = c.n_tiles > c.pre_tiles ? s.prefix + c.nodes : c.pre_end;
+  s.direct = p.splits == 1;
+  s.part = split * p.rows_total + static_cast<int64_t>(c.q_begin) * p.heads + row0;
+  return s;
+}
+
 template <typename C, typename T, typename Idx, bool Fp8>
 __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_kernel(const VerifyParams<T> p) {
   using M = std::conditional_t<Fp8, Fp8Math, T>;  // the tensor-core operands
@@ -131,7 +153,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
   M* s_p = reinterpret_cast<M*>(smem + C::kKvBytes + C::kSmemS);  // [kRows][kPStride]
   float* s_alpha = reinterpret_cast<float*>(smem + C::kKvBytes + C::kSmemS + C::kSmemP);  // [kRows]
   float* s_l = s_alpha + kRows;                                                        // [kRows]
-  __shared__ int s_req, s_row0;
+  __shared__ Segment s_seg;
   static_assert(Fp8 || !C::kFp8Staged, "a staged CTA reads fp8 pools only");
   constexpr bool kStaged = C::kFp8Staged;
   // Prefix slots of the next tiles, copied in by cp.async one tile ahead of the KV rows they
@@ -145,22 +167,22 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
   const bool copier = C::kCopiers == kWarps || warp < C::kCopiers;
   const int own_row0 = warp * C::kCopyRows + (lane >> 3);
 
-  // ---- which request and which rows: scan the per-request tile counts ----
-  if (warp == 0) {
-    int req, row0;
-    find_row_tile<T, kRows>(p, blockIdx.x, lane, req, row0);
-    if (lane == 0) {
-      s_req = req;
-      s_row0 = row0;
+  // ---- which request, rows and keys: warp 0 finds the CTA's segment after `prev` (null: its
+  // first); one segment (its split) unless balanced ----
+  auto find_segment = [&](const Segment* prev) {
+    Segment sg{};
+    sg.b = kNoWork;
+    if (p.balanced) {
+      sg = balanced_segment(p, lane, prev);
+    } else if (!prev) {
+      int req, row0;
+      find_row_tile<T, kRows>(p, blockIdx.x, lane, req, row0);
+      sg = prefix_split_segment(p, req, row0, blockIdx.y);
     }
-  }
+    if (lane == 0) s_seg = sg;
+  };
+  if (warp == 0) find_segment(nullptr);
   __syncthreads();
-  const int b = s_req, row0 = s_row0;
-  if (b == kNoWork) return;
-
-  const int split = blockIdx.y;
-  const auto [q_begin, nodes, rows_b, kv_begin, pre_begin, pre_end, pre_tiles, n_tiles] = cta_span(p, b, split);
-  const Idx* kv_indices = static_cast<const Idx*>(p.kv_indices) + kv_begin;
 
   // Warp w copies rows [w * n, w * n + n) of a tile, four at a time: lane (lane / 8, lane % 8)
   // takes 16-byte chunks lane % 8, + 8, ..., + 64 of row 4 i + lane / 8, so a row costs its
@@ -178,364 +200,377 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
     }
   };
 
-  // ---- stage Q (kRows rows x 576) through the KV buffers, then keep it in registers ----
-  copy_rows(s_kv, kRows / kWarps, [&](int r) -> const T* {
-    const int m = row0 + r;
-    if (m >= rows_b) return nullptr;
-    const int node = m / p.heads, head = m - node * p.heads;
-    return p.q + (q_begin + node) * p.q_st + head * p.q_sh;
-  });
-  auto load_slots = [&](int t) {  // warp 0; zero-filled past the chunk
-    const int pos = pre_begin + t * kKeys + lane;
-    const bool valid = t < pre_tiles && pos < pre_end;
-    cp_async_idx(smem_addr(&s_slot[t % 3][lane]), valid ? kv_indices + pos : kv_indices, valid);
-  };
-  if (warp == 0) {
-    load_slots(0);
-    load_slots(1);
-  }
-  cp_async_commit();
-  cp_async_wait<0>();
-  __syncthreads();
+  for (Segment seg = s_seg; seg.b != kNoWork;) {
+    const int b = seg.b, row0 = seg.row0, q_begin = seg.q_begin, rows_b = seg.rows_b, prefix = seg.prefix;
+    // Its prefix keys [pre_begin, pre_end) in pre_tiles 32-key tiles, then its tree keys
+    // [tree_begin, tree_end) (node indices).
+    const int pre_begin = min(seg.key_begin, prefix), pre_end = min(seg.key_end, prefix);
+    const int pre_tiles = (pre_end - pre_begin + kKeys - 1) / kKeys;
+    const int tree_begin = max(seg.key_begin, prefix) - prefix, tree_end = max(seg.key_end, prefix) - prefix;
+    const int n_tiles = pre_tiles + (tree_end - tree_begin + kKeys - 1) / kKeys;
+    const Idx* kv_indices = static_cast<const Idx*>(p.kv_indices) + seg.kv_begin;
 
-  // S: row tile rt, dim part dh. O: row tiles from o_tile0, dims from o_dim0.
-  const int rt = warp % kRowTiles, dh = warp / kRowTiles;
-  const int o_tile0 = warp % C::kRowGroups * kORowTiles, o_dim0 = warp / C::kRowGroups * kNT * 8;
-  uint32_t qf[kPartK][4];
-  {
-    const uint32_t q_lane = smem_addr(s_kv + (rt * 16 + (lane & 15)) * kRowPitch + (dh * kPartK * 2 + (lane >> 4)) * 16);
-#pragma unroll
-    for (int ks = 0; ks < kPartK; ++ks) ldmatrix_x4(qf[ks], q_lane + ks * 32);
-  }
-  // fp8 pool: k_scale (and 1 / the power of two a bf16 q takes into f16) scale the scores in
-  // float32, and k_scale the output (Fp8Math).
-  const float k_scale = Fp8 ? kv_scale(p) : 1.f;
-  bool range_bad = Fp8 && !k_scale_usable(k_scale);  // kGuardFp8Range
-  float q_factor = 1.f;
-  constexpr bool kQToF16 = Fp8 && std::is_same_v<T, __nv_bfloat16>;
-  uint32_t* s_peak = reinterpret_cast<uint32_t*>(s_alpha);  // free until the first softmax
-  if constexpr (kQToF16) {
-    uint32_t peak = 0;
-#pragma unroll
-    for (int ks = 0; ks < kPartK; ++ks)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) peak = peak_bits(peak, qf[ks][i]);
-    peak = __reduce_max_sync(0xffffffffu, peak_bits_fold(peak));
-    if (lane == 0) s_peak[warp] = peak;
-  }
-  __syncthreads();  // Q fully in registers before the KV stages overwrite it
-  if constexpr (kQToF16) {
-    uint32_t peak = 0;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) peak = max(peak, s_peak[w]);
-    q_factor = q_f16_factor(peak);
-#pragma unroll
-    for (int ks = 0; ks < kPartK; ++ks)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = unpack2<T>(qf[ks][i]);
-        qf[ks][i] = pack2<M>(f.x * q_factor, f.y * q_factor);
-      }
-  }
-  const float score_scale = Fp8 ? p.scale_log2 * (k_scale / q_factor) : p.scale_log2;
-  const float tree_to_pool = 1.f / k_scale;  // fp8: tree rows into the pool's units
-
-  bool bad = false;  // met a prefix slot outside kv_cache (checked_slot)
-  // Staged CTA: the first stage holds the f16 tile the mma read; behind it the next tile's e4m3
-  // bytes land as they come (576 per row). Thread (row, lane % 8) copies bytes 8 (lane % 8) +
-  // 64 c of its rows and widens the same bytes itself: no thread reads another's copies
-  // before they are widened.
-  auto staged_row = [&](int row) { return s_kv + kStageBytes + row * kDqk + (lane & 7) * 8; };
-  // A thread's 8 e4m3 bytes of chunk c lie kPieceStep apart: staged rows are dense, in-place
-  // ones sit in the second half of the 16-byte chunk they widen into.
-  constexpr int kPieceStep = kStaged ? 64 : 128;
-  auto load_tile = [&](int t, int stage) {
-    const Idx* slots = s_slot[t % 3];
-    if (copier) {
-      if (Fp8 && t < pre_tiles) {
-        // Staged: e4m3 bytes as they come (staged_row). Otherwise an fp8 row lands in the
-        // chunks its f16 values will fill: the thread that copies chunk c's 8 bytes is the one
-        // that widens them in place, so no other thread's data is overwritten and no extra
-        // barrier is needed.
-        const int first = pre_begin + t * kKeys;
-#pragma unroll
-        for (int i = 0; i < C::kCopyRows; i += 4) {
-          const int own_row = own_row0 + i;
-          const bool valid = first + own_row < pre_end;
-          const uint8_t* src = p.kv8 + (lane & 7) * 8;
-          if (valid) src += static_cast<int64_t>(checked_slot(p, slots[own_row], bad)) * p.kv_stride;
-          const uint32_t d = kStaged ? smem_addr(staged_row(own_row))
-                                   : smem_addr(s_kv + stage * kStageBytes + own_row * kRowPitch) + (lane & 7) * 16;
-#pragma unroll
-          for (int c = 0; c < kChunks / 8; ++c) cp_async8(d + c * kPieceStep, src + c * 64, valid);
-        }
-      } else if (kStaged) {
-        // a tree tile: copied in its own iteration, straight into the f16 stage
-      } else if (t < pre_tiles) {
-        const int first = pre_begin + t * kKeys;
-        copy_rows(s_kv + stage * kStageBytes, C::kCopyRows, [&](int k) -> const T* {
-          return first + k < pre_end ? p.kv + static_cast<int64_t>(checked_slot(p, slots[k], bad)) * p.kv_stride : nullptr;
-        });
-      } else {
-        const int first = (t - pre_tiles) * kKeys;
-        copy_rows(s_kv + stage * kStageBytes, C::kCopyRows, [&](int k) -> const T* {
-          return first + k < nodes ? p.tree_k + static_cast<int64_t>(q_begin + first + k) * p.tk_stride : nullptr;
-        });
-      }
+    // ---- stage Q (kRows rows x 576) through the KV buffers, then keep it in registers ----
+    copy_rows(s_kv, kRows / kWarps, [&](int r) -> const T* {
+      const int m = row0 + r;
+      if (m >= rows_b) return nullptr;
+      const int node = m / p.heads, head = m - node * p.heads;
+      return p.q + (q_begin + node) * p.q_st + head * p.q_sh;
+    });
+    auto load_slots = [&](int t) {  // warp 0; zero-filled past the chunk
+      const int pos = pre_begin + t * kKeys + lane;
+      const bool valid = t < pre_tiles && pos < pre_end;
+      cp_async_idx(smem_addr(&s_slot[t % 3][lane]), valid ? kv_indices + pos : kv_indices, valid);
+    };
+    if (warp == 0) {
+      load_slots(0);
+      load_slots(1);
     }
     cp_async_commit();
-  };
-
-  // fp8 pool: this thread's chunks of a tree tile's rows (q's dtype, the pool's units times
-  // k_scale), landed in `stage`, into f16 in the pool's units.
-  auto tree_rows_to_f16 = [&](uint8_t* stage) {
-#pragma unroll
-    for (int i = 0; i < C::kCopyRows; i += 4) {
-      uint8_t* row = stage + (own_row0 + i) * kRowPitch + (lane & 7) * 16;
-#pragma unroll
-      for (int c = 0; c < kChunks / 8; ++c)
-        *reinterpret_cast<uint4*>(row + c * 128) =
-            to_f16x8<T>(*reinterpret_cast<const uint4*>(row + c * 128), tree_to_pool, range_bad);
-    }
-  };
-
-  // fp8 pool: this thread's e4m3 bytes of a prefix tile's rows (staged, or in place in
-  // `stage`) into f16 in `stage`.
-  auto prefix_rows_to_f16 = [&](uint8_t* stage) {
-#pragma unroll
-    for (int i = 0; i < C::kCopyRows; i += 4) {
-      const int row = own_row0 + i;
-      uint8_t* dst = stage + row * kRowPitch + (lane & 7) * 16;
-      const uint8_t* bytes = kStaged ? staged_row(row) : dst;
-#pragma unroll
-      for (int c = 0; c < kChunks / 8; ++c)
-        *reinterpret_cast<uint4*>(dst + c * 128) = widen_e4m3x8(*reinterpret_cast<const uint2*>(bytes + c * kPieceStep));
-    }
-  };
-
-  // Per-lane fragment bases (stage 0); ldmatrix addresses add compile-time offsets to these.
-  const int mi = lane >> 3;
-  const uint32_t k_lane = smem_addr(s_kv + ((mi >> 1) * 8 + (lane & 7)) * kRowPitch + ((mi & 1) + dh * kPartK * 2) * 16);
-  const uint32_t v_lane = smem_addr(s_kv + ((mi & 1) * 8 + (lane & 7)) * kRowPitch + (mi >> 1) * 16 + o_dim0 * 2);
-  const uint32_t p_lane = smem_addr(s_p + (o_tile0 * 16 + (lane & 15)) * kPStride + (lane >> 4) * 8);
-
-  float o[kORowTiles][kNT][4];
-#pragma unroll
-  for (int i = 0; i < kORowTiles; ++i)
-#pragma unroll
-    for (int j = 0; j < kNT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[i][j][e] = 0.f;
-  // Softmax: warp (rt, dh < 2) owns row rt*16 + g + 8*dh; running max (log2 domain) and sum.
-  const bool owner = kParts == 2 || dh < 2;
-  float row_max = -INFINITY, row_sum = 0.f;
-  const int my_row = rt * 16 + g + dh * 8;
-
-  // Pipeline: tile t+1's rows (and tile t+2's slots) load while tile t computes.
-  if (n_tiles > 0) load_tile(0, 0);
-  for (int t = 0; t < n_tiles; ++t) {
-    const int stage = kStaged ? 0 : t & 1;
-    if constexpr (kStaged) {
-      cp_async_wait<0>();
-      __syncthreads();  // iteration t-1 finished with the f16 stage; slots(t+1) visible
-      if (copier && t < pre_tiles) {
-        prefix_rows_to_f16(s_kv);
-      } else if (copier) {
-        const int first = (t - pre_tiles) * kKeys;
-        copy_rows(s_kv, C::kCopyRows, [&](int k) -> const T* {
-          return first + k < nodes ? p.tree_k + static_cast<int64_t>(q_begin + first + k) * p.tk_stride : nullptr;
-        });
-        cp_async_commit();
-        cp_async_wait<0>();
-        tree_rows_to_f16(s_kv);
-      }
-      // The staged bytes are this thread's again: tile t+1's go there, after the reads above
-      // (the copies are asm the compiler could otherwise move ahead of them).
-      asm volatile("" ::: "memory");
-      if (t + 1 < n_tiles) {
-        if (warp == 0) load_slots(t + 2);
-        load_tile(t + 1, 0);
-      }
-      __syncthreads();  // tile t visible in f16
-    } else {
-      cp_async_wait<0>();
-      // fp8 pool: this thread's own copies of tile t -> f16 in place (the same chunks either
-      // way), before the barrier that publishes the tile: right behind the previous tile's
-      // P V mma, which run on while these conversions issue, and with no barrier of their own.
-      if (Fp8 && copier && t >= pre_tiles) {
-        tree_rows_to_f16(s_kv + stage * kStageBytes);
-      } else if (Fp8 && copier) {
-        prefix_rows_to_f16(s_kv + stage * kStageBytes);
-      }
-      __syncthreads();  // tile t and slots(t+1) visible; iteration t-1 finished with its buffers
-      if (t + 1 < n_tiles) {
-        if (warp == 0) load_slots(t + 2);
-        load_tile(t + 1, stage ^ 1);
-      }
-    }
-    const uint32_t stage_off = stage * kStageBytes;
-
-    // ---- S part = Q[rows of rt, dims of dh] K^T ----
-    float s[4][4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < kPartK; ++ks) {
-#pragma unroll
-      for (int j = 0; j < 4; j += 2) {
-        uint32_t bf[4];
-        ldmatrix_x4(bf, k_lane + stage_off + j * 8 * kRowPitch + ks * 32);
-        mma16816<M>(s[j], qf[ks], bf[0], bf[1]);
-        mma16816<M>(s[j + 1], qf[ks], bf[2], bf[3]);
-      }
-    }
-    // Each owner keeps the 8 rows it will normalise and hands the other 8 to its partner (block
-    // dh of its row tile); a further part hands over both halves (blocks 2 dh - 2 and 2 dh - 1).
-    // The halves are picked by select, not by s[j][2 * dh + e]: a register array indexed by a
-    // runtime value lives in local memory (64 bytes of stack and 12 loads per tile).
-    float* part = s_part + rt * ((2 * kParts - 2) * 8 * 32);
-    if (owner) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) part[(dh * 8 + j * 2 + e) * 32 + lane] = dh ? s[j][e] : s[j][2 + e];
-    } else {
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) part[((2 * dh - 2 + e / 2) * 8 + j * 2 + e % 2) * 32 + lane] = s[j][e];
-    }
+    cp_async_wait<0>();
     __syncthreads();
 
-    // ---- online softmax: the owners, 2 per row tile x (8 rows x 32 keys) ----
-    bool rescaled = false;
-    if (owner) {
-      const bool tree_tile = t >= pre_tiles;
-      const int key0 = tree_tile ? (t - pre_tiles) * kKeys : pre_begin + t * kKeys;
-      const int key_end = tree_tile ? nodes : pre_end;
-      const float* other = part + (1 - dh) * 8 * 32;
-      float x[8];
-      float mx = -INFINITY;
+    // S: row tile rt, dim part dh. O: row tiles from o_tile0, dims from o_dim0.
+    const int rt = warp % kRowTiles, dh = warp / kRowTiles;
+    const int o_tile0 = warp % C::kRowGroups * kORowTiles, o_dim0 = warp / C::kRowGroups * kNT * 8;
+    uint32_t qf[kPartK][4];
+    {
+      const uint32_t q_lane = smem_addr(s_kv + (rt * 16 + (lane & 15)) * kRowPitch + (dh * kPartK * 2 + (lane >> 4)) * 16);
+#pragma unroll
+      for (int ks = 0; ks < kPartK; ++ks) ldmatrix_x4(qf[ks], q_lane + ks * 32);
+    }
+    // fp8 pool: k_scale (and 1 / the power of two a bf16 q takes into f16) scale the scores in
+    // float32, and k_scale the output (Fp8Math).
+    const float k_scale = Fp8 ? kv_scale(p) : 1.f;
+    bool range_bad = Fp8 && !k_scale_usable(k_scale);  // kGuardFp8Range
+    float q_factor = 1.f;
+    constexpr bool kQToF16 = Fp8 && std::is_same_v<T, __nv_bfloat16>;
+    uint32_t* s_peak = reinterpret_cast<uint32_t*>(s_alpha);  // free until the first softmax
+    if constexpr (kQToF16) {
+      uint32_t peak = 0;
+#pragma unroll
+      for (int ks = 0; ks < kPartK; ++ks)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) peak = peak_bits(peak, qf[ks][i]);
+      peak = __reduce_max_sync(0xffffffffu, peak_bits_fold(peak));
+      if (lane == 0) s_peak[warp] = peak;
+    }
+    __syncthreads();  // Q fully in registers before the KV stages overwrite it
+    if constexpr (kQToF16) {
+      uint32_t peak = 0;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) peak = max(peak, s_peak[w]);
+      q_factor = q_f16_factor(peak);
+#pragma unroll
+      for (int ks = 0; ks < kPartK; ++ks)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = unpack2<T>(qf[ks][i]);
+          qf[ks][i] = pack2<M>(f.x * q_factor, f.y * q_factor);
+        }
+    }
+    const float score_scale = Fp8 ? p.scale_log2 * (k_scale / q_factor) : p.scale_log2;
+    const float tree_to_pool = 1.f / k_scale;  // fp8: tree rows into the pool's units
+
+    bool bad = false;  // met a prefix slot outside kv_cache (checked_slot)
+    // Staged CTA: the first stage holds the f16 tile the mma read; behind it the next tile's e4m3
+    // bytes land as they come (576 per row). Thread (row, lane % 8) copies bytes 8 (lane % 8) +
+    // 64 c of its rows and widens the same bytes itself: no thread reads another's copies
+    // before they are widened.
+    auto staged_row = [&](int row) { return s_kv + kStageBytes + row * kDqk + (lane & 7) * 8; };
+    // A thread's 8 e4m3 bytes of chunk c lie kPieceStep apart: staged rows are dense, in-place
+    // ones sit in the second half of the 16-byte chunk they widen into.
+    constexpr int kPieceStep = kStaged ? 64 : 128;
+    auto load_tile = [&](int t, int stage) {
+      const Idx* slots = s_slot[t % 3];
+      if (copier) {
+        if (Fp8 && t < pre_tiles) {
+          // Staged: e4m3 bytes as they come (staged_row). Otherwise an fp8 row lands in the
+          // chunks its f16 values will fill: the thread that copies chunk c's 8 bytes is the one
+          // that widens them in place, so no other thread's data is overwritten and no extra
+          // barrier is needed.
+          const int first = pre_begin + t * kKeys;
+#pragma unroll
+          for (int i = 0; i < C::kCopyRows; i += 4) {
+            const int own_row = own_row0 + i;
+            const bool valid = first + own_row < pre_end;
+            const uint8_t* src = p.kv8 + (lane & 7) * 8;
+            if (valid) src += static_cast<int64_t>(checked_slot(p, slots[own_row], bad)) * p.kv_stride;
+            const uint32_t d = kStaged ? smem_addr(staged_row(own_row))
+                                     : smem_addr(s_kv + stage * kStageBytes + own_row * kRowPitch) + (lane & 7) * 16;
+#pragma unroll
+            for (int c = 0; c < kChunks / 8; ++c) cp_async8(d + c * kPieceStep, src + c * 64, valid);
+          }
+        } else if (kStaged) {
+          // a tree tile: copied in its own iteration, straight into the f16 stage
+        } else if (t < pre_tiles) {
+          const int first = pre_begin + t * kKeys;
+          copy_rows(s_kv + stage * kStageBytes, C::kCopyRows, [&](int k) -> const T* {
+            return first + k < pre_end ? p.kv + static_cast<int64_t>(checked_slot(p, slots[k], bad)) * p.kv_stride : nullptr;
+          });
+        } else {
+          const int first = tree_begin + (t - pre_tiles) * kKeys;
+          copy_rows(s_kv + stage * kStageBytes, C::kCopyRows, [&](int k) -> const T* {
+            return first + k < tree_end ? p.tree_k + static_cast<int64_t>(q_begin + first + k) * p.tk_stride : nullptr;
+          });
+        }
+      }
+      cp_async_commit();
+    };
+
+    // fp8 pool: this thread's chunks of a tree tile's rows (q's dtype, the pool's units times
+    // k_scale), landed in `stage`, into f16 in the pool's units.
+    auto tree_rows_to_f16 = [&](uint8_t* stage) {
+#pragma unroll
+      for (int i = 0; i < C::kCopyRows; i += 4) {
+        uint8_t* row = stage + (own_row0 + i) * kRowPitch + (lane & 7) * 16;
+#pragma unroll
+        for (int c = 0; c < kChunks / 8; ++c)
+          *reinterpret_cast<uint4*>(row + c * 128) =
+              to_f16x8<T>(*reinterpret_cast<const uint4*>(row + c * 128), tree_to_pool, range_bad);
+      }
+    };
+
+    // fp8 pool: this thread's e4m3 bytes of a prefix tile's rows (staged, or in place in
+    // `stage`) into f16 in `stage`.
+    auto prefix_rows_to_f16 = [&](uint8_t* stage) {
+#pragma unroll
+      for (int i = 0; i < C::kCopyRows; i += 4) {
+        const int row = own_row0 + i;
+        uint8_t* dst = stage + row * kRowPitch + (lane & 7) * 16;
+        const uint8_t* bytes = kStaged ? staged_row(row) : dst;
+#pragma unroll
+        for (int c = 0; c < kChunks / 8; ++c)
+          *reinterpret_cast<uint4*>(dst + c * 128) = widen_e4m3x8(*reinterpret_cast<const uint2*>(bytes + c * kPieceStep));
+      }
+    };
+
+    // Per-lane fragment bases (stage 0); ldmatrix addresses add compile-time offsets to these.
+    const int mi = lane >> 3;
+    const uint32_t k_lane = smem_addr(s_kv + ((mi >> 1) * 8 + (lane & 7)) * kRowPitch + ((mi & 1) + dh * kPartK * 2) * 16);
+    const uint32_t v_lane = smem_addr(s_kv + ((mi & 1) * 8 + (lane & 7)) * kRowPitch + (mi >> 1) * 16 + o_dim0 * 2);
+    const uint32_t p_lane = smem_addr(s_p + (o_tile0 * 16 + (lane & 15)) * kPStride + (lane >> 4) * 8);
+
+    float o[kORowTiles][kNT][4];
+#pragma unroll
+    for (int i = 0; i < kORowTiles; ++i)
+#pragma unroll
+      for (int j = 0; j < kNT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[i][j][e] = 0.f;
+    // Softmax: warp (rt, dh < 2) owns row rt*16 + g + 8*dh; running max (log2 domain) and sum.
+    const bool owner = kParts == 2 || dh < 2;
+    float row_max = -INFINITY, row_sum = 0.f;
+    const int my_row = rt * 16 + g + dh * 8;
+
+    // Pipeline: tile t+1's rows (and tile t+2's slots) load while tile t computes.
+    if (n_tiles > 0) load_tile(0, 0);
+    for (int t = 0; t < n_tiles; ++t) {
+      const int stage = kStaged ? 0 : t & 1;
+      if constexpr (kStaged) {
+        cp_async_wait<0>();
+        __syncthreads();  // iteration t-1 finished with the f16 stage; slots(t+1) visible
+        if (copier && t < pre_tiles) {
+          prefix_rows_to_f16(s_kv);
+        } else if (copier) {
+          const int first = tree_begin + (t - pre_tiles) * kKeys;
+          copy_rows(s_kv, C::kCopyRows, [&](int k) -> const T* {
+            return first + k < tree_end ? p.tree_k + static_cast<int64_t>(q_begin + first + k) * p.tk_stride : nullptr;
+          });
+          cp_async_commit();
+          cp_async_wait<0>();
+          tree_rows_to_f16(s_kv);
+        }
+        // The staged bytes are this thread's again: tile t+1's go there, after the reads above
+        // (the copies are asm the compiler could otherwise move ahead of them).
+        asm volatile("" ::: "memory");
+        if (t + 1 < n_tiles) {
+          if (warp == 0) load_slots(t + 2);
+          load_tile(t + 1, 0);
+        }
+        __syncthreads();  // tile t visible in f16
+      } else {
+        cp_async_wait<0>();
+        // fp8 pool: this thread's own copies of tile t -> f16 in place (the same chunks either
+        // way), before the barrier that publishes the tile: right behind the previous tile's
+        // P V mma, which run on while these conversions issue, and with no barrier of their own.
+        if (Fp8 && copier && t >= pre_tiles) {
+          tree_rows_to_f16(s_kv + stage * kStageBytes);
+        } else if (Fp8 && copier) {
+          prefix_rows_to_f16(s_kv + stage * kStageBytes);
+        }
+        __syncthreads();  // tile t and slots(t+1) visible; iteration t-1 finished with its buffers
+        if (t + 1 < n_tiles) {
+          if (warp == 0) load_slots(t + 2);
+          load_tile(t + 1, stage ^ 1);
+        }
+      }
+      const uint32_t stage_off = stage * kStageBytes;
+
+      // ---- S part = Q[rows of rt, dims of dh] K^T ----
+      float s[4][4];
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float sum = (dh ? s[j][2 + e] : s[j][e]) + other[(j * 2 + e) * 32 + lane];
+        for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
 #pragma unroll
-          for (int q = 2; q < kParts; ++q) sum += part[((2 * q - 2 + dh) * 8 + j * 2 + e) * 32 + lane];
-          x[j * 2 + e] = sum * score_scale;
-          if (key0 + j * 8 + t4 * 2 + e >= key_end) x[j * 2 + e] = -INFINITY;
+      for (int ks = 0; ks < kPartK; ++ks) {
+#pragma unroll
+        for (int j = 0; j < 4; j += 2) {
+          uint32_t bf[4];
+          ldmatrix_x4(bf, k_lane + stage_off + j * 8 * kRowPitch + ks * 32);
+          mma16816<M>(s[j], qf[ks], bf[0], bf[1]);
+          mma16816<M>(s[j + 1], qf[ks], bf[2], bf[3]);
         }
-      if (tree_tile) {  // the ancestor mask (or the causal chain) applies to tree keys only
-        const int m = row0 + my_row;
-        const int node = m < rows_b ? m / p.heads : 0;
-        const int32_t* mrow = p.mask ? p.mask + (q_begin + node) * p.mask_stride : nullptr;
+      }
+      // Each owner keeps the 8 rows it will normalise and hands the other 8 to its partner (block
+      // dh of its row tile); a further part hands over both halves (blocks 2 dh - 2 and 2 dh - 1).
+      // The halves are picked by select, not by s[j][2 * dh + e]: a register array indexed by a
+      // runtime value lives in local memory (64 bytes of stack and 12 loads per tile).
+      float* part = s_part + rt * ((2 * kParts - 2) * 8 * 32);
+      if (owner) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) part[(dh * 8 + j * 2 + e) * 32 + lane] = dh ? s[j][e] : s[j][2 + e];
+      } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) part[((2 * dh - 2 + e / 2) * 8 + j * 2 + e % 2) * 32 + lane] = s[j][e];
+      }
+      __syncthreads();
+
+      // ---- online softmax: the owners, 2 per row tile x (8 rows x 32 keys) ----
+      bool rescaled = false;
+      if (owner) {
+        const bool tree_tile = t >= pre_tiles;
+        const int key0 = tree_tile ? tree_begin + (t - pre_tiles) * kKeys : pre_begin + t * kKeys;
+        const int key_end = tree_tile ? tree_end : pre_end;
+        const float* other = part + (1 - dh) * 8 * 32;
+        float x[8];
+        float mx = -INFINITY;
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const int key = key0 + j * 8 + t4 * 2 + e, w = key >> 5;
-            const bool vis = mrow ? w < p.mask_words && ((mrow[w] >> (key & 31)) & 1) : key <= node;
-            if (!vis) x[j * 2 + e] = -INFINITY;
+            float sum = (dh ? s[j][2 + e] : s[j][e]) + other[(j * 2 + e) * 32 + lane];
+#pragma unroll
+            for (int q = 2; q < kParts; ++q) sum += part[((2 * q - 2 + dh) * 8 + j * 2 + e) * 32 + lane];
+            x[j * 2 + e] = sum * score_scale;
+            if (key0 + j * 8 + t4 * 2 + e >= key_end) x[j * 2 + e] = -INFINITY;
           }
-      }
+        if (tree_tile) {  // the ancestor mask (or the causal chain) applies to tree keys only
+          const int m = row0 + my_row;
+          const int node = m < rows_b ? m / p.heads : 0;
+          const int32_t* mrow = p.mask ? p.mask + (q_begin + node) * p.mask_stride : nullptr;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) mx = fmaxf(mx, x[i]);
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      // -inf - -inf is NaN: a first visible max always counts as a move.
-      rescaled = mx > row_max + kRescaleSlack || (row_max == -INFINITY && mx > -INFINITY);
-      const float alpha = rescaled ? fast_exp2(row_max - mx) : 1.f;
-      if (rescaled) row_max = mx;
-      // A row with nothing visible yet keeps max -inf; subtract 0 then so exp gives 0.
-      const float base = row_max == -INFINITY ? 0.f : row_max;
-      float sum = 0.f;
-      M* prow = s_p + my_row * kPStride;
+          for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float p0 = fast_exp2(x[j * 2] - base), p1 = fast_exp2(x[j * 2 + 1] - base);
-        sum += p0 + p1;
-        *reinterpret_cast<uint32_t*>(prow + j * 8 + t4 * 2) = pack2<M>(p0, p1);
-      }
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      row_sum = row_sum * alpha + sum;
-      if (t4 == 0) s_alpha[my_row] = alpha;
-    }
-    // ---- O = O * alpha (only when some row's max moved) + P V, this warp's rows and dims ----
-    if (__syncthreads_or(rescaled)) {
-#pragma unroll
-      for (int i = 0; i < kORowTiles; ++i) {
-        const float a0 = s_alpha[(o_tile0 + i) * 16 + g], a1 = s_alpha[(o_tile0 + i) * 16 + g + 8];
-#pragma unroll
-        for (int j = 0; j < kNT; ++j) {
-          o[i][j][0] *= a0;
-          o[i][j][1] *= a0;
-          o[i][j][2] *= a1;
-          o[i][j][3] *= a1;
+            for (int e = 0; e < 2; ++e) {
+              const int key = key0 + j * 8 + t4 * 2 + e, w = key >> 5;
+              const bool vis = mrow ? w < p.mask_words && ((mrow[w] >> (key & 31)) & 1) : key <= node;
+              if (!vis) x[j * 2 + e] = -INFINITY;
+            }
         }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) mx = fmaxf(mx, x[i]);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        // -inf - -inf is NaN: a first visible max always counts as a move.
+        rescaled = mx > row_max + kRescaleSlack || (row_max == -INFINITY && mx > -INFINITY);
+        const float alpha = rescaled ? fast_exp2(row_max - mx) : 1.f;
+        if (rescaled) row_max = mx;
+        // A row with nothing visible yet keeps max -inf; subtract 0 then so exp gives 0.
+        const float base = row_max == -INFINITY ? 0.f : row_max;
+        float sum = 0.f;
+        M* prow = s_p + my_row * kPStride;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float p0 = fast_exp2(x[j * 2] - base), p1 = fast_exp2(x[j * 2 + 1] - base);
+          sum += p0 + p1;
+          *reinterpret_cast<uint32_t*>(prow + j * 8 + t4 * 2) = pack2<M>(p0, p1);
+        }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        row_sum = row_sum * alpha + sum;
+        if (t4 == 0) s_alpha[my_row] = alpha;
       }
-    }
-#pragma unroll
-    for (int kk = 0; kk < kKeys / 16; ++kk) {
-      uint32_t pf[kORowTiles][4];
-#pragma unroll
-      for (int i = 0; i < kORowTiles; ++i) ldmatrix_x4(pf[i], p_lane + (i * 16 * kPStride + kk * 16) * 2);
-#pragma unroll
-      for (int j = 0; j < kNT; j += 2) {
-        uint32_t vf[4];
-        ldmatrix_x4_trans(vf, v_lane + stage_off + kk * 16 * kRowPitch + j * 16);
+      // ---- O = O * alpha (only when some row's max moved) + P V, this warp's rows and dims ----
+      if (__syncthreads_or(rescaled)) {
 #pragma unroll
         for (int i = 0; i < kORowTiles; ++i) {
-          mma16816<M>(o[i][j], pf[i], vf[0], vf[1]);
-          mma16816<M>(o[i][j + 1], pf[i], vf[2], vf[3]);
+          const float a0 = s_alpha[(o_tile0 + i) * 16 + g], a1 = s_alpha[(o_tile0 + i) * 16 + g + 8];
+#pragma unroll
+          for (int j = 0; j < kNT; ++j) {
+            o[i][j][0] *= a0;
+            o[i][j][1] *= a0;
+            o[i][j][2] *= a1;
+            o[i][j][3] *= a1;
+          }
+        }
+      }
+#pragma unroll
+      for (int kk = 0; kk < kKeys / 16; ++kk) {
+        uint32_t pf[kORowTiles][4];
+#pragma unroll
+        for (int i = 0; i < kORowTiles; ++i) ldmatrix_x4(pf[i], p_lane + (i * 16 * kPStride + kk * 16) * 2);
+#pragma unroll
+        for (int j = 0; j < kNT; j += 2) {
+          uint32_t vf[4];
+          ldmatrix_x4_trans(vf, v_lane + stage_off + kk * 16 * kRowPitch + j * 16);
+#pragma unroll
+          for (int i = 0; i < kORowTiles; ++i) {
+            mma16816<M>(o[i][j], pf[i], vf[0], vf[1]);
+            mma16816<M>(o[i][j + 1], pf[i], vf[2], vf[3]);
+          }
         }
       }
     }
-  }
 
-  // ---- finish: share each row's max and sum, normalise, write ----
-  // The last tile's PV has read s_alpha; did any warp meet a slot outside kv_cache?
-  const bool malformed = s_req == kMalformedBatch;  // rows to write NaN, no keys (find_row_tile)
-  const bool slot_cta = __syncthreads_or(bad), range_cta = Fp8 && __syncthreads_or(range_bad);
-  const bool bad_cta = slot_cta || range_cta || malformed;
-  if (owner && t4 == 0) {
-    s_alpha[my_row] = row_max;
-    s_l[my_row] = row_sum;
-  }
-  __syncthreads();
-  const bool direct = p.splits == 1;
-  if (bad_cta && tid == 0)
-    raise_guard(p.guard, malformed ? kGuardVerifyIndptr : slot_cta ? kGuardKvSlot : kGuardFp8Range);
-#pragma unroll
-  for (int i = 0; i < kORowTiles; ++i)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = (o_tile0 + i) * 16 + g + half * 8, m = row0 + r;
-      if (m >= rows_b) continue;
-      const float l = s_l[r];
-      const float inv = bad_cta ? kNaN : l > 0.f ? k_scale / l : 0.f;
-      const float lse = bad_cta ? kNaN : l > 0.f ? (s_alpha[r] + __log2f(l)) * 0.69314718055994531f : -INFINITY;
-      const int node = m / p.heads, head = m - node * p.heads;
-      const int64_t grow = static_cast<int64_t>(q_begin) * p.heads + m;
-      if (direct) {
-        T* dst = p.out + (q_begin + node) * p.out_st + head * p.out_sh + o_dim0 + t4 * 2;
-#pragma unroll
-        for (int j = 0; j < kNT; ++j)
-          *reinterpret_cast<uint32_t*>(dst + j * 8) =
-              pack2<T>(o[i][j][half * 2] * inv, o[i][j][half * 2 + 1] * inv);
-        if (o_dim0 == 0 && t4 == 0) p.lse[(q_begin + node) * p.lse_st + head * p.lse_sh] = lse;
-      } else {
-        float* dst = p.part_o + (split * p.rows_total + grow) * kDv + o_dim0 + t4 * 2;
-#pragma unroll
-        for (int j = 0; j < kNT; ++j)
-          *reinterpret_cast<float2*>(dst + j * 8) =
-              make_float2(o[i][j][half * 2] * inv, o[i][j][half * 2 + 1] * inv);
-        if (o_dim0 == 0 && t4 == 0) p.part_lse[split * p.rows_total + grow] = lse;
-      }
+    // ---- finish: share each row's max and sum, normalise, write ----
+    // The last tile's PV has read s_alpha; did any warp meet a slot outside kv_cache?
+    const bool malformed = b == kMalformedBatch;  // rows to write NaN, no keys (find_row_tile)
+    const bool slot_cta = __syncthreads_or(bad), range_cta = Fp8 && __syncthreads_or(range_bad);
+    const bool bad_cta = slot_cta || range_cta || malformed;
+    if (owner && t4 == 0) {
+      s_alpha[my_row] = row_max;
+      s_l[my_row] = row_sum;
     }
+    __syncthreads();
+    if (bad_cta && tid == 0)
+      raise_guard(p.guard, malformed ? kGuardVerifyIndptr : slot_cta ? kGuardKvSlot : kGuardFp8Range);
+#pragma unroll
+    for (int i = 0; i < kORowTiles; ++i)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = (o_tile0 + i) * 16 + g + half * 8, m = row0 + r;
+        if (m >= rows_b) continue;
+        const float l = s_l[r];
+        const float inv = bad_cta ? kNaN : l > 0.f ? k_scale / l : 0.f;
+        const float lse = bad_cta ? kNaN : l > 0.f ? (s_alpha[r] + __log2f(l)) * 0.69314718055994531f : -INFINITY;
+        const int node = m / p.heads, head = m - node * p.heads;
+        if (seg.direct) {
+          T* dst = p.out + (q_begin + node) * p.out_st + head * p.out_sh + o_dim0 + t4 * 2;
+#pragma unroll
+          for (int j = 0; j < kNT; ++j)
+            *reinterpret_cast<uint32_t*>(dst + j * 8) =
+                pack2<T>(o[i][j][half * 2] * inv, o[i][j][half * 2 + 1] * inv);
+          if (o_dim0 == 0 && t4 == 0) p.lse[(q_begin + node) * p.lse_st + head * p.lse_sh] = lse;
+        } else {
+          float* dst = p.part_o + (seg.part + r) * kDv + o_dim0 + t4 * 2;
+#pragma unroll
+          for (int j = 0; j < kNT; ++j)
+            *reinterpret_cast<float2*>(dst + j * 8) =
+                make_float2(o[i][j][half * 2] * inv, o[i][j][half * 2 + 1] * inv);
+          if (o_dim0 == 0 && t4 == 0) p.part_lse[seg.part + r] = lse;
+        }
+      }
+    // The next segment, once every warp is past this one's epilogue (s_alpha, s_l, the stages).
+    if (warp == 0) find_segment(&seg);
+    __syncthreads();
+    seg = s_seg;
+  }
 }
 
 // Enough splits for one row tile to fill an H200 twice (16-row CTAs run two per SM).
@@ -576,16 +611,16 @@ __global__ void __launch_bounds__(128) merge_splits_kernel(const VerifyParams<T>
       w = scan_work(p, tid, 0, at_row);
       if (w.b >= 0) {
         const int64_t m = (t - w.q_begin) * p.heads + row % p.heads;
-        const int tile = static_cast<int>(m / kRows), plane = min(tile, p.planes - 1), unit = tile - plane;
+        const int tile = static_cast<int>(m / p.tile_rows), plane = min(tile, p.planes - 1), unit = tile - plane;
         if (plane > 0) w = scan_work(p, tid, plane, at_row);  // plane 0's is the scan above
         const int64_t unit_start = w.work0 + static_cast<int64_t>(unit) * w.chunks;
         c_first = share_of(w.work, p.balanced, unit_start);
         n = share_of(w.work, p.balanced, unit_start + w.chunks - 1) - c_first + 1;
         // The first of these CTAs met the unit in its share's last segment unless its share
         // starts with the unit; every further one in its first.
-        first = share_partial(p, plane, c_first, false) + m % kRows;
-        step = 2 * kRows;
-        if (share_begin(w.work, p.balanced, c_first) < unit_start) tail = kRows;
+        first = share_partial(p, plane, c_first, false) + m % p.tile_rows;
+        step = 2 * p.tile_rows;
+        if (share_begin(w.work, p.balanced, c_first) < unit_start) tail = p.tile_rows;
       }
     }
     // Under the balanced schedule a CTA with an empty share (W_r < G) wrote nothing.
@@ -853,29 +888,33 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   const int sms = num_sms(q);
   const bool rows16 = which == VerifyKernel::kPortable && rows == Cta16::kRows;
   const int64_t per_sm16 = rows16 ? portable_ctas_per_sm<Cta16>(q) : 1;
-  const int64_t slots = sms * per_sm16;
+  int64_t slots = sms * per_sm16;
   int64_t splits = splits_for(slots);
   bool staged16 = false;
   if (rows16 && fp8) {
     const int64_t staged_slots = sms * portable_ctas_per_sm<Cta16Fp8>(q), staged_splits = splits_for(staged_slots);
     staged16 = staged_slots > slots && work_tiles * staged_splits > slots;
-    if (staged16) splits = staged_splits;
+    if (staged16) {
+      splits = staged_splits;
+      slots = staged_slots;
+    }
   }
   KD_CHECK(tiles < (int64_t{1} << 31), "too many rows");
-  // The seesaw kernel takes a batch on the balanced schedule (BalancedWork: the same share of
-  // the whole batch's work on every SM) unless the requests have equal trees and their row
-  // tiles x splits fill one wave to 95% or more. Equal splits of each request wait on the
-  // longest one: on an H200 the balanced schedule ran batches whose lengths spread from 1k-2k
-  // to 32k-64k 1.13-2.04x faster, and equal lengths 0.96x as fast where the splits take two
-  // waves (8 x 16 x 9 @64k), 0.69x where one wave of whole requests fills the SMs (64 x 128 x 1
-  // @8k: every share then ends in a partial). KDTREE_VERIFY_BALANCE=0 or 1 forces the choice.
+  // The seesaw and the portable kernels take a batch on the balanced schedule (BalancedWork:
+  // the same share of the whole batch's work on every SM) unless the requests have equal
+  // trees and their row tiles x splits fill one wave to 95% or more. Equal splits of each
+  // request wait on the longest one: on an H200 the seesaw kernel's balanced schedule ran
+  // batches whose lengths spread from 1k-2k to 32k-64k 1.13-2.04x faster, and equal lengths
+  // 0.96x as fast where the splits take two waves (8 x 16 x 9 @64k), 0.69x where one wave of
+  // whole requests fills the SMs (64 x 128 x 1 @8k: every share then ends in a partial).
+  // KDTREE_VERIFY_BALANCE=0 or 1 forces the choice.
   const int64_t planned = work_tiles * splits;
   const bool one_full_wave = T % batch == 0 && planned <= slots && 20 * planned >= 19 * slots;
-  const bool balanced = which == VerifyKernel::kSeesaw && env_flag("KDTREE_VERIFY_BALANCE", batch > 1 && !one_full_wave);
+  const bool balanced = which != VerifyKernel::kWgmma && env_flag("KDTREE_VERIFY_BALANCE", batch > 1 && !one_full_wave);
   // Planes: the row tiles of a request of T / B nodes (a request with more takes its further
   // tiles in the last plane); CTAs per plane: the SMs' share of one plane, or, with a hint, so
   // that each keeps two tile pairs on average.
-  const int64_t planes = T % batch == 0 ? std::max<int64_t>(1, ceil_div(T / batch * H, kRows)) : 1;
+  const int64_t planes = T % batch == 0 ? std::max<int64_t>(1, ceil_div(T / batch * H, rows)) : 1;
   int64_t plane_ctas = std::clamp<int64_t>(slots / planes, 1, kMaxSplits);
   if (max_kv_len >= 0) {
     const int64_t plane_work_bound = batch * ceil_div(max_kv_len + T / batch, kChunkKeys);
@@ -886,8 +925,8 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   at::Tensor part_o, part_lse;
   if (balanced) {
     const int64_t partials = planes * plane_ctas * 2;  // share_partial
-    part_o = at::empty({partials * kRows, kDv}, q.options().dtype(at::kFloat));
-    part_lse = at::empty({partials * kRows}, q.options().dtype(at::kFloat));
+    part_o = at::empty({partials * rows, kDv}, q.options().dtype(at::kFloat));
+    part_lse = at::empty({partials * rows}, q.options().dtype(at::kFloat));
   } else if (splits > 1) {
     part_o = at::empty({splits, T * H, kDv}, q.options().dtype(at::kFloat));
     part_lse = at::empty({splits, T * H}, q.options().dtype(at::kFloat));
@@ -918,6 +957,7 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
     p.splits = balanced ? 1 : static_cast<int>(splits);
     p.balanced = balanced ? static_cast<int>(plane_ctas) : 0;
     p.planes = static_cast<int>(planes);
+    p.tile_rows = rows;
     p.scale_log2 = static_cast<float>(sm_scale * 1.4426950408889634);
     p.out = static_cast<T_*>(out.data_ptr());
     p.out_st = out.stride(0);

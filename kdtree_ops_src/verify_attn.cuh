@@ -44,8 +44,8 @@ template <typename T> struct VerifyParams {
   int mask_words;
   int batch, heads, splits;
   // > 0: the balanced schedule over this many CTAs per plane, `planes` planes (BalancedWork),
-  // instead of splits.
-  int balanced, planes;
+  // instead of splits, in CTAs of tile_rows rows.
+  int balanced, planes, tile_rows;
   float scale_log2;
   // direct output (splits == 1) or partials [splits][T*H][512] + [splits][T*H]; under the
   // balanced schedule [planes][G][2][64][512] + [planes][G][2][64] (BalancedWork, share_partial)
@@ -282,7 +282,7 @@ __device__ __forceinline__ BalancedWork scan_work(const VerifyParams<T>& p, int 
       bad |= request_malformed(p, b, q0, q1, k0, k1);
       if (!bad) {
         const int nodes = static_cast<int>(q1 - q0);
-        const int tiles = (nodes * p.heads + kRows - 1) / kRows;
+        const int tiles = (nodes * p.heads + p.tile_rows - 1) / p.tile_rows;
         units = plane < p.planes - 1 ? (plane < tiles ? 1 : 0) : max(tiles - plane, 0);
         keys = static_cast<int>(k1 - k0) + nodes;
         chunks = (keys + kChunkKeys - 1) / kChunkKeys;
@@ -314,10 +314,68 @@ __device__ __forceinline__ int64_t share_begin(int64_t work, int ctas, int c) { 
 __device__ __forceinline__ int share_of(int64_t work, int ctas, int64_t x) {
   return static_cast<int>(((x + 1) * ctas + work - 1) / work) - 1;
 }
-// The first partial row of CTA c of plane r: that of its share's first segment, or + 64 that
-// of its last.
+// The first partial row of CTA c of plane r: that of its share's first segment, or + tile
+// rows that of its last.
 template <typename T> __device__ __forceinline__ int64_t share_partial(const VerifyParams<T>& p, int plane, int c, bool last) {
-  return ((static_cast<int64_t>(plane) * p.balanced + c) * 2 + last) * kRows;
+  return ((static_cast<int64_t>(plane) * p.balanced + c) * 2 + last) * p.tile_rows;
+}
+
+// A run of one CTA's work: rows [row0, row0 + tile rows) of request b and its keys
+// [key_begin, key_end) (prefix slots, then tree nodes), n_chunks 128-key chunks; the output if
+// `direct`, else partial rows part + r. A CTA has one segment (its split of one request) or,
+// under the balanced schedule, one or more.
+struct Segment {
+  int b, row0, q_begin, rows_b, kv_begin, prefix, key_begin, key_end, n_chunks;
+  bool direct;
+  int64_t part;
+  int64_t next;  // balanced: the next segment's first chunk (a bad batch: its row tile)
+};
+// Called by one full warp under the balanced schedule: this CTA's segment after `prev`
+// (null: its first), b = kNoWork past its share. A malformed batch has each CTA write NaN
+// rows straight out, row tiles blockIdx.y G + blockIdx.x, + G planes, ...
+template <typename T>
+__device__ __forceinline__ Segment balanced_segment(const VerifyParams<T>& p, int lane, const Segment* prev) {
+  const int c = blockIdx.x, plane = blockIdx.y, ctas = p.balanced;
+  Segment s{};
+  s.b = kNoWork;
+  auto bad_batch_tile = [&](int64_t tile) {
+    if (tile * p.tile_rows < p.rows_total) {
+      s.b = kMalformedBatch;
+      s.row0 = static_cast<int>(tile * p.tile_rows);
+      s.rows_b = static_cast<int>(p.rows_total);
+      s.direct = true;
+      s.next = tile + static_cast<int64_t>(ctas) * p.planes;
+    }
+    return s;
+  };
+  if (prev && prev->b == kMalformedBatch) return bad_batch_tile(prev->next);
+  int64_t pos = prev ? prev->next : -1;
+  auto at_pos = [&](int64_t, int64_t, int64_t work0, int64_t work) { return pos >= work0 && pos < work0 + work; };
+  BalancedWork w = scan_work(p, lane, plane, at_pos);
+  if (w.b == kMalformedBatch) return bad_batch_tile(static_cast<int64_t>(plane) * ctas + c);
+  if (!prev) {
+    pos = share_begin(w.work, ctas, c);
+    w = scan_work(p, lane, plane, at_pos);
+  }
+  const int64_t end = share_begin(w.work, ctas, c + 1);
+  if (pos >= end || w.b < 0) return s;
+  const int unit = static_cast<int>((pos - w.work0) / w.chunks);  // of this request's in the plane
+  const int64_t unit_start = w.work0 + static_cast<int64_t>(unit) * w.chunks;
+  const int c0 = static_cast<int>(pos - unit_start);
+  const int c1 = static_cast<int>(min(end - unit_start, static_cast<int64_t>(w.chunks)));
+  s.b = w.b;
+  s.row0 = (plane + unit) * p.tile_rows;
+  s.q_begin = w.q_begin;
+  s.rows_b = w.nodes * p.heads;
+  s.kv_begin = w.kv_begin;
+  s.prefix = w.keys - w.nodes;
+  s.key_begin = c0 * kChunkKeys;
+  s.key_end = min(c1 * kChunkKeys, w.keys);
+  s.n_chunks = c1 - c0;
+  s.direct = c0 == 0 && c1 == w.chunks;
+  s.part = share_partial(p, plane, c, prev != nullptr);
+  s.next = unit_start + c1;
+  return s;
 }
 
 // What one CTA covers of request b: its rows, and its split of the prefix (an equal, 32-key

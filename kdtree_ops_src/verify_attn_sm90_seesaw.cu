@@ -46,7 +46,7 @@ constexpr int kOffSum = kOffMax + kRows * 4;     // [2][64] each consumer's row 
 // K ready [buf][column block] (the boxable instance: a box lands, and is read, block by block)
 constexpr int kOffBar = kOffSum + 2 * kRows * 4;
 constexpr int kBars = 13 + 2 * kCols;
-constexpr int kOffSeg = kOffBar + 8 * kBars;  // [2] SeesawSegment: this one and the next
+constexpr int kOffSeg = kOffBar + 8 * kBars;  // [2] Segment: this one and the next
 constexpr int kSegBytes = 64;
 // The dynamic shared window is only 16-byte aligned; swizzled blocks need 1024.
 constexpr int kSmemBytes = kOffSeg + 2 * kSegBytes + 1024;
@@ -206,22 +206,12 @@ __device__ __forceinline__ uint64_t v_desc(uint32_t kbuf, int half) {
   return make_desc(kbuf + half * 4 * kBlockBytes, kBlockBytes, 1024);
 }
 
-// A run of one CTA's work: rows [row0, row0 + 64) of request b and its keys [key_begin,
-// key_end) (prefix slots, then tree nodes) in tile pairs; the output if `direct`, else
-// partial rows part + r. A CTA has one segment (its split of one request) or, under the
-// balanced schedule, one or more (BalancedWork).
-struct SeesawSegment {
-  int b, row0, q_begin, rows_b, kv_begin, prefix, key_begin, key_end, n_pairs;
-  bool direct;
-  int64_t part;
-  int64_t next;  // balanced: the next segment's first chunk (a bad batch: its row tile)
-};
 static_assert(kChunkKeys == kPairKeys, "the balanced schedule's chunk is a tile pair");
-static_assert(sizeof(SeesawSegment) <= kSegBytes && kOffSeg % alignof(SeesawSegment) == 0);
+static_assert(sizeof(Segment) <= kSegBytes && kOffSeg % alignof(Segment) == 0);
 // Split `split` of row tile row0 of request b: an equal, 128-key aligned share of its keys.
 template <typename T>
-__device__ __forceinline__ SeesawSegment split_segment(const VerifyParams<T>& p, int b, int row0, int split) {
-  SeesawSegment c{};
+__device__ __forceinline__ Segment split_segment(const VerifyParams<T>& p, int b, int row0, int split) {
+  Segment c{};
   c.b = b;
   c.row0 = row0;
   c.direct = p.splits == 1;
@@ -242,56 +232,9 @@ __device__ __forceinline__ SeesawSegment split_segment(const VerifyParams<T>& p,
   const int64_t begin = split * chunk < total ? split * chunk : total;
   c.key_begin = static_cast<int>(begin);
   c.key_end = static_cast<int>(begin + chunk < total ? begin + chunk : total);
-  c.n_pairs = (c.key_end - c.key_begin + kPairKeys - 1) / kPairKeys;
+  c.n_chunks = (c.key_end - c.key_begin + kPairKeys - 1) / kPairKeys;
   c.part = split * p.rows_total + static_cast<int64_t>(c.q_begin) * p.heads + row0;
   return c;
-}
-// Called by one full warp under the balanced schedule: this CTA's segment after `prev`
-// (null: its first), b = kNoWork past its share. A malformed batch has each CTA write NaN
-// rows straight out, row tiles blockIdx.y G + blockIdx.x, + G planes, ...
-template <typename T>
-__device__ __forceinline__ SeesawSegment balanced_segment(const VerifyParams<T>& p, int lane, const SeesawSegment* prev) {
-  const int c = blockIdx.x, plane = blockIdx.y, ctas = p.balanced;
-  SeesawSegment s{};
-  s.b = kNoWork;
-  auto bad_batch_tile = [&](int64_t tile) {
-    if (tile * kRows < p.rows_total) {
-      s.b = kMalformedBatch;
-      s.row0 = static_cast<int>(tile * kRows);
-      s.rows_b = static_cast<int>(p.rows_total);
-      s.direct = true;
-      s.next = tile + static_cast<int64_t>(ctas) * p.planes;
-    }
-    return s;
-  };
-  if (prev && prev->b == kMalformedBatch) return bad_batch_tile(prev->next);
-  int64_t pos = prev ? prev->next : -1;
-  auto at_pos = [&](int64_t, int64_t, int64_t work0, int64_t work) { return pos >= work0 && pos < work0 + work; };
-  BalancedWork w = scan_work(p, lane, plane, at_pos);
-  if (w.b == kMalformedBatch) return bad_batch_tile(static_cast<int64_t>(plane) * ctas + c);
-  if (!prev) {
-    pos = share_begin(w.work, ctas, c);
-    w = scan_work(p, lane, plane, at_pos);
-  }
-  const int64_t end = share_begin(w.work, ctas, c + 1);
-  if (pos >= end || w.b < 0) return s;
-  const int unit = static_cast<int>((pos - w.work0) / w.chunks);  // of this request's in the plane
-  const int64_t unit_start = w.work0 + static_cast<int64_t>(unit) * w.chunks;
-  const int c0 = static_cast<int>(pos - unit_start);
-  const int c1 = static_cast<int>(min(end - unit_start, static_cast<int64_t>(w.chunks)));
-  s.b = w.b;
-  s.row0 = (plane + unit) * kRows;
-  s.q_begin = w.q_begin;
-  s.rows_b = w.nodes * p.heads;
-  s.kv_begin = w.kv_begin;
-  s.prefix = w.keys - w.nodes;
-  s.key_begin = c0 * kPairKeys;
-  s.key_end = min(c1 * kPairKeys, w.keys);
-  s.n_pairs = c1 - c0;
-  s.direct = c0 == 0 && c1 == w.chunks;
-  s.part = share_partial(p, plane, c, prev != nullptr);
-  s.next = unit_start + c1;
-  return s;
 }
 
 // The producer over an fp8 pool (Fp8Math). Thread lt owns a row r of each tile and dims
@@ -555,11 +498,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto bar_ready = [&](int buf, int half) { return k_ready_bar(bar_q, buf, half); };
   auto bar_free = [&](int buf, int half) { return k_free_bar(bar_q, buf, half); };
   auto bar_block = [&](int buf, int cb) { return k_block_bar(bar_q, buf, cb); };
-  SeesawSegment* s_seg = reinterpret_cast<SeesawSegment*>(smem + kOffSeg);
+  Segment* s_seg = reinterpret_cast<Segment*>(smem + kOffSeg);
 
   const int tid = threadIdx.x, wg = tid / kWgThreads, lt = tid % kWgThreads;
   if (tid < 32) {
-    SeesawSegment first;
+    Segment first;
     if (p.balanced) {
       first = balanced_segment(p, tid, nullptr);
     } else {
@@ -594,7 +537,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t dst = grp * 128 + ((ck ^ (grp & 7)) << 4);  // (grp + 16 j) & 7 == grp & 7
     uint32_t pair_base = 0;
     for (int k = 0;; ++k) {
-      const SeesawSegment sg = s_seg[k & 1];
+      const Segment sg = s_seg[k & 1];
       if (sg.b == kNoWork) break;
       const auto [b, row0, q_begin, rows_b, kv_begin, prefix, key_begin, key_end, n_pairs, direct, part, next] = sg;
 #pragma unroll
@@ -626,7 +569,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                               pair_base, lt, bar_q, bad);
       }
       if (lt < 32) {
-        SeesawSegment after{};
+        Segment after{};
         after.b = kNoWork;
         if (p.balanced) after = balanced_segment(p, lt, &sg);
         if (lt == 0) s_seg[(k + 1) & 1] = after;
@@ -644,7 +587,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int rA = (lt >> 5) * 16 + g, rB = rA + 8;
     uint32_t half_pairs = 0, block_pairs = 0;  // pairs of earlier segments that waited on each kind
     for (int k = 0;; ++k) {
-      const SeesawSegment sg = s_seg[k & 1];
+      const Segment sg = s_seg[k & 1];
       if (sg.b == kNoWork) break;
       const auto [b, row0, q_begin, rows_b, kv_begin, prefix, key_begin, key_end, n_pairs, direct, part, next] = sg;
       const int mA = row0 + rA, mB = row0 + rB;
