@@ -982,8 +982,8 @@ def verify_attn(
     On sm_90 a 16-bit pool's 64-key tiles whose slots are consecutive pool rows (a page of a
     paged pool, a run an allocator handed out) load as tensor-map boxes, checked on the device
     tile by tile, wherever ``max_kv_len`` does not cut the prefix below 256 keys a split;
-    ``KDTREE_VERIFY_TMA=0`` copies every row by slot. There a batch of several requests runs
-    on the balanced schedule: every SM takes an equal share of the whole batch's keys (for
+    ``KDTREE_VERIFY_TMA=0`` copies every row by slot. On both the seesaw and the portable
+    kernel a batch of several requests runs on the balanced schedule: every SM takes an equal share of the whole batch's keys (for
     each row tile), which may end one request and start the next, and the shares' partial
     results are merged, so requests of unequal lengths take their total work over the SMs,
     where equal splits of each request wait on the longest one's. Only a batch of equal trees
