@@ -1341,8 +1341,9 @@ def test_verify_attn_cuda_boxes_change_no_bits(layout, monkeypatch):
     ("uint8", "", 3000, None, "true, false"),  # an fp8 pool: no boxes
 ])
 def test_verify_attn_cuda_sm90_boxable_instance(pool, tma, prefix, hint, want, monkeypatch):
-    """Which seesaw instance serves a call, read off the kernel's template arguments (Fp8, Boxable):
-    boxes only where the hint gives each CTA at least two 64-key tile pairs."""
+    """Which seesaw instance serves a call, read off the kernel's template arguments (Fp8,
+    Boxable; Balanced false, one request): boxes only where the hint gives each CTA at least two
+    64-key tile pairs."""
     for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA", "KDTREE_VERIFY_ROWS"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("KDTREE_VERIFY_TMA", raising=False)
@@ -1352,7 +1353,7 @@ def test_verify_attn_cuda_sm90_boxable_instance(pool, tma, prefix, hint, want, m
     if hint:
         kw["max_kv_len"] = hint
     (out, lse), names = launched_kernels(lambda: kdtree_ops.verify_attn(*verify_args(case), **kw))
-    assert [n for n in names if "seesaw_kernel<" in n and f", {want}>" in n], names
+    assert [n for n in names if "seesaw_kernel<" in n and f", {want}, false>" in n], names
     assert_verify_close(out, lse, ref)
 
 
@@ -1369,9 +1370,9 @@ def test_verify_attn_cuda_sm90_boxable_instance(pool, tma, prefix, hint, want, m
     ([70001], [9], 16, "1", True),
 ])
 def test_verify_attn_cuda_balanced_schedule(kernel, prefix_lens, node_counts, heads, balance, want, monkeypatch):
-    """Which schedule serves a call (KDTREE_VERIFY_BALANCE), read off the merge kernel's
-    Balanced argument, and that either gives the reference's output; on the seesaw kernel
-    (sm_90) and the portable one."""
+    """Which schedule serves a call (KDTREE_VERIFY_BALANCE), read off the Balanced argument of
+    the attention kernel and of the merge, and that either gives the reference's output; on the
+    seesaw kernel (sm_90) and the portable one."""
     if kernel == "seesaw" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the seesaw kernel serves sm_90 only")
     for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA", "KDTREE_VERIFY_ROWS", "KDTREE_VERIFY_BALANCE"):
@@ -1384,6 +1385,9 @@ def test_verify_attn_cuda_balanced_schedule(kernel, prefix_lens, node_counts, he
     (out, lse), names = launched_kernels(lambda: kdtree_ops.verify_attn(*verify_args(case)))
     merges = {n.split("merge_splits_kernel<")[1].split(">")[0].split(", ")[1] for n in names if "merge_splits_kernel<" in n}
     assert merges <= {"true", "false"} and ("true" in merges) == want, names
+    # the last template argument (Cta<...> nests one level)
+    attention = {m for n in names for m in re.findall(r"verify_attn(?:_seesaw)?_kernel<(?:[^<>]|<[^<>]*>)*, (true|false)>", n)}
+    assert attention == {"true" if want else "false"}, names
     assert_verify_close(out, lse, case)
 
 

@@ -142,7 +142,9 @@ __device__ __forceinline__ Segment prefix_split_segment(const VerifyParams<T>& p
   return s;
 }
 
-template <typename C, typename T, typename Idx, bool Fp8>
+// Balanced: the balanced schedule (p.balanced > 0), segment after segment; otherwise the CTA's
+// one split, and none of that schedule's code (see the seesaw kernel's Balanced).
+template <typename C, typename T, typename Idx, bool Fp8, bool Balanced>
 __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_kernel(const VerifyParams<T> p) {
   using M = std::conditional_t<Fp8, Fp8Math, T>;  // the tensor-core operands
   constexpr int kRows = C::kRows, kRowTiles = C::kRowTiles, kParts = C::kParts, kWarps = C::kWarps;
@@ -170,11 +172,10 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
   // ---- which request, rows and keys: warp 0 finds the CTA's segment after `prev` (null: its
   // first); one segment (its split) unless balanced ----
   auto find_segment = [&](const Segment* prev) {
-    Segment sg{};
-    sg.b = kNoWork;
-    if (p.balanced) {
+    Segment sg;
+    if constexpr (Balanced) {
       sg = balanced_segment(p, lane, prev);
-    } else if (!prev) {
+    } else {
       int req, row0;
       find_row_tile<T, kRows>(p, blockIdx.x, lane, req, row0);
       sg = prefix_split_segment(p, req, row0, blockIdx.y);
@@ -566,6 +567,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
           if (o_dim0 == 0 && t4 == 0) p.part_lse[seg.part + r] = lse;
         }
       }
+    if constexpr (!Balanced) break;
     // The next segment, once every warp is past this one's epilogue (s_alpha, s_l, the stages).
     if (warp == 0) find_segment(&seg);
     __syncthreads();
@@ -720,32 +722,46 @@ int portable_rows(int64_t T, int64_t H, int64_t batch) {
 }
 
 // CTAs of shape C one SM runs at once, as its registers and shared memory allow (16-row CTAs:
-// two on an H200, one on sm_120; the others one). Asked of the fp8 variant with the most static
-// shared memory (int64 slots), once per device. No stream work: graph-capturable.
+// two on an H200, one on sm_120; the others one). Asked of the fp8 variants with the most static
+// shared memory (int64 slots), either schedule's (the fewer), once per device. No stream work:
+// graph-capturable.
 template <typename C>
 int64_t portable_ctas_per_sm(const at::Tensor& on) {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> known[kMaxDevices] = {};
   const int dev = on.get_device();
   if (dev < kMaxDevices && known[dev] > 0) return known[dev];
-  auto kernel = verify_attn_kernel<C, __nv_bfloat16, int64_t, true>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
-  int ctas = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, C::kThreads, C::kSmemBytes));
+  int ctas = INT32_MAX;
+  for (auto kernel : {verify_attn_kernel<C, __nv_bfloat16, int64_t, true, false>,
+                      verify_attn_kernel<C, __nv_bfloat16, int64_t, true, true>}) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
+    int fit = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, C::kThreads, C::kSmemBytes));
+    ctas = std::min(ctas, fit);
+  }
   ctas = std::max(ctas, 1);
   if (dev < kMaxDevices) known[dev] = ctas;
   return ctas;
 }
 
-template <typename C, typename T>
+template <typename C, typename T, bool Balanced>
 void launch_portable(const VerifyParams<T>& p, bool fp8, bool idx32, dim3 grid) {
-  auto kernel = idx32 ? verify_attn_kernel<C, T, int32_t, true> : verify_attn_kernel<C, T, int64_t, true>;
+  auto kernel = idx32 ? verify_attn_kernel<C, T, int32_t, true, Balanced> : verify_attn_kernel<C, T, int64_t, true, Balanced>;
   if constexpr (!C::kFp8Staged) {  // a staged CTA is taken for fp8 pools only
-    if (!fp8) kernel = idx32 ? verify_attn_kernel<C, T, int32_t, false> : verify_attn_kernel<C, T, int64_t, false>;
+    if (!fp8)
+      kernel = idx32 ? verify_attn_kernel<C, T, int32_t, false, Balanced> : verify_attn_kernel<C, T, int64_t, false, Balanced>;
   }
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
   kernel<<<grid, C::kThreads, C::kSmemBytes, current_stream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+template <typename C, typename T>
+void launch_portable(const VerifyParams<T>& p, bool fp8, bool idx32, dim3 grid) {
+  if (p.balanced) {
+    launch_portable<C, T, true>(p, fp8, idx32, grid);
+  } else {
+    launch_portable<C, T, false>(p, fp8, idx32, grid);
+  }
 }
 
 bool is_fp8_pool(const at::Tensor& kv_cache) {
@@ -903,11 +919,11 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   // The seesaw and the portable kernels take a batch on the balanced schedule (BalancedWork:
   // the same share of the whole batch's work on every SM) unless the requests have equal
   // trees and their row tiles x splits fill one wave to 95% or more. Equal splits of each
-  // request wait on the longest one: on an H200 the seesaw kernel's balanced schedule ran
-  // batches whose lengths spread from 1k-2k to 32k-64k 1.13-2.04x faster, and equal lengths
-  // 0.96x as fast where the splits take two waves (8 x 16 x 9 @64k), 0.69x where one wave of
-  // whole requests fills the SMs (64 x 128 x 1 @8k: every share then ends in a partial).
-  // KDTREE_VERIFY_BALANCE=0 or 1 forces the choice.
+  // request wait on the longest one: on an H200 the balanced schedule ran batches whose
+  // lengths spread from 1k-2k to 32k-64k 1.20-2.00x faster on the seesaw kernel and 1.37-2.54x
+  // on the portable one; equal lengths 0.96-0.97x and 1.00-1.09x as fast, and, where one wave
+  // of whole requests fills the SMs (64 x 128 x 1 @8k: every share then ends in a partial),
+  // 0.76x and 0.94x. KDTREE_VERIFY_BALANCE=0 or 1 forces the choice.
   const int64_t planned = work_tiles * splits;
   const bool one_full_wave = T % batch == 0 && planned <= slots && 20 * planned >= 19 * slots;
   const bool balanced = which != VerifyKernel::kWgmma && env_flag("KDTREE_VERIFY_BALANCE", batch > 1 && !one_full_wave);

@@ -481,8 +481,11 @@ __device__ __forceinline__ void produce_rows(const VerifyParams<T>& p, const CUt
 
 #endif  // sm_90a
 
-// Boxable: a 16-bit pool with kv_map describing it (see launch_verify_attn_seesaw).
-template <typename T, typename Idx, bool Fp8, bool Boxable>
+// Boxable: a 16-bit pool with kv_map describing it (see launch_verify_attn_seesaw). Balanced:
+// the balanced schedule (p.balanced > 0), segment after segment; otherwise the CTA's one split,
+// and none of that schedule's code: in the equal-split instances it cost batch-1 launches
+// (which never run it) up to a fifth of their time on an H200.
+template <typename T, typename Idx, bool Fp8, bool Boxable, bool Balanced>
 __global__ void __launch_bounds__(kThreads, 1)
     verify_attn_seesaw_kernel(const VerifyParams<T> p, const __grid_constant__ CUtensorMap kv_map) {
 #ifdef KD_SM90A
@@ -503,7 +506,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tid = threadIdx.x, wg = tid / kWgThreads, lt = tid % kWgThreads;
   if (tid < 32) {
     Segment first;
-    if (p.balanced) {
+    if constexpr (Balanced) {
       first = balanced_segment(p, tid, nullptr);
     } else {
       int req, row0;
@@ -568,14 +571,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         produce_rows<Boxable>(p, &kv_map, sK, slot_of, kv_indices, q_begin, prefix, key_begin, key_end, n_pairs,
                               pair_base, lt, bar_q, bad);
       }
-      if (lt < 32) {
-        Segment after{};
-        after.b = kNoWork;
-        if (p.balanced) after = balanced_segment(p, lt, &sg);
-        if (lt == 0) s_seg[(k + 1) & 1] = after;
+      if constexpr (Balanced) {
+        if (lt < 32) {
+          const Segment after = balanced_segment(p, lt, &sg);
+          if (lt == 0) s_seg[(k + 1) & 1] = after;
+        }
       }
       bar_or<kBarLoaded, kThreads>(bad);
       if constexpr (Fp8) bar_or<kBarLoaded, kThreads>(beyond);
+      if constexpr (!Balanced) break;  // one segment: the barrier phases stay compile-time
       pair_base += n_pairs;
     }
   } else {
@@ -903,6 +907,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             p.part_lse[part + r] = lse;
         }
       }
+      if constexpr (!Balanced) break;
       (block_bars ? block_pairs : half_pairs) += n_pairs;
     }
   }
@@ -948,9 +953,13 @@ template <typename T>
 void launch_verify_attn_seesaw(const VerifyParams<T>& p, bool idx32, bool boxes, dim3 grid, cudaStream_t stream) {
   CUtensorMap kv_map{};
   const bool boxable = boxes && p.kv8 == nullptr && env_flag("KDTREE_VERIFY_TMA", true) && encode_kv_map(p, kv_map);
-  auto kernel = p.kv8    ? (idx32 ? verify_attn_seesaw_kernel<T, int32_t, true, false> : verify_attn_seesaw_kernel<T, int64_t, true, false>)
-                : boxable ? (idx32 ? verify_attn_seesaw_kernel<T, int32_t, false, true> : verify_attn_seesaw_kernel<T, int64_t, false, true>)
-                          : (idx32 ? verify_attn_seesaw_kernel<T, int32_t, false, false> : verify_attn_seesaw_kernel<T, int64_t, false, false>);
+  auto pick = [&](auto balanced) {
+    constexpr bool B = decltype(balanced)::value;
+    return p.kv8    ? (idx32 ? verify_attn_seesaw_kernel<T, int32_t, true, false, B> : verify_attn_seesaw_kernel<T, int64_t, true, false, B>)
+           : boxable ? (idx32 ? verify_attn_seesaw_kernel<T, int32_t, false, true, B> : verify_attn_seesaw_kernel<T, int64_t, false, true, B>)
+                     : (idx32 ? verify_attn_seesaw_kernel<T, int32_t, false, false, B> : verify_attn_seesaw_kernel<T, int64_t, false, false, B>);
+  };
+  auto kernel = p.balanced ? pick(std::true_type{}) : pick(std::false_type{});
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(p, kv_map);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
