@@ -599,11 +599,12 @@ __global__ void __launch_bounds__(128) merge_splits_kernel(const VerifyParams<T>
   // and visible only after this (a no-op after an ordinary launch).
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
+  // Partial s of this row is partial row first + s * step (+ tail for s = 0), if it was
+  // written (has). Equal splits: constants every thread knows (as compile-time as they can be:
+  // through shared memory they cost batch-1 merges about a microsecond on an H200).
+  int n = p.splits;
+  int64_t first = row, step = p.rows_total, tail = 0;
   if (tid < 32) {
-    // Partial s of this row is partial row first + s * step (+ tail for s = 0), if it was
-    // written (has).
-    int n = p.splits;
-    int64_t first = row, step = p.rows_total, tail = 0;
     int c_first = 0;
     BalancedWork w{};
     if constexpr (Balanced) {
@@ -648,16 +649,22 @@ __global__ void __launch_bounds__(128) merge_splits_kernel(const VerifyParams<T>
     // A NaN partial (a bad slot or a malformed batch) makes sum NaN: the row stays NaN.
     if (tid == 0) {
       s_lse = sum > 0.f ? base + __logf(sum) : sum == 0.f ? -INFINITY : sum;
-      s_parts = n;
-      s_first = first;
-      s_step = step;
-      s_tail = tail;
+      if constexpr (Balanced) {
+        s_parts = n;
+        s_first = first;
+        s_step = step;
+        s_tail = tail;
+      }
     }
   }
   __syncthreads();
-  const int n = s_parts;
-  const int64_t first = s_first, step = s_step, tail = s_tail;
-  if (Balanced && n <= 1) return;
+  if constexpr (Balanced) {
+    n = s_parts;
+    first = s_first;
+    step = s_step;
+    tail = s_tail;
+    if (n <= 1) return;
+  }
   // Loads in batches of eight splits before their sums: one at a time, each would wait a
   // full memory latency.
   constexpr int kBatch = 8;
