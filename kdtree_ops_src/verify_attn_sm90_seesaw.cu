@@ -714,9 +714,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       float runA = kMaxInit, runB = kMaxInit, lA = 0.f, lB = 0.f;
 
       // K ready for a half of buffer `buf`: where the producer runs its boxed loop its first
-      // column block, else the half; then the proxy fence for rows copied by cp.async (a copied
-      // half lands whole before any of its barriers completes, so one fence covers it; boxes need
-      // none). blocks_of waits for each further block as the products reach it.
+      // column block, else the half; then the proxy fence for rows copied by cp.async or widened
+      // from fp8 by the producer's stores (a copied or widened half is whole before any of its
+      // barriers completes, so one fence covers it; boxes need none). The other consumer's P V
+      // reads that half after this one's fence, behind the named barrier that hands it P. blocks_of waits for each further block as the products reach it.
       auto wait_half = [&](int buf, int half, uint32_t parity) {
         mbar_wait(block_bars ? bar_block(buf, half ? 4 : 0) : bar_ready(buf, half), parity);
         fence_proxy_async();
