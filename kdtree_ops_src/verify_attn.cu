@@ -751,24 +751,19 @@ int64_t portable_ctas_per_sm(const at::Tensor& on) {
   return ctas;
 }
 
-template <typename C, typename T, bool Balanced>
+template <typename C, typename T>
 void launch_portable(const VerifyParams<T>& p, bool fp8, bool idx32, dim3 grid) {
-  auto kernel = idx32 ? verify_attn_kernel<C, T, int32_t, true, Balanced> : verify_attn_kernel<C, T, int64_t, true, Balanced>;
-  if constexpr (!C::kFp8Staged) {  // a staged CTA is taken for fp8 pools only
-    if (!fp8)
-      kernel = idx32 ? verify_attn_kernel<C, T, int32_t, false, Balanced> : verify_attn_kernel<C, T, int64_t, false, Balanced>;
-  }
+  auto kernel = with_flag(p.balanced > 0, [&](auto balanced) {
+    return with_flag(idx32, [&](auto i32) {
+      using Idx = SlotIndex<decltype(i32)>;
+      constexpr bool B = decltype(balanced)::value;
+      // A staged CTA is taken for fp8 pools only (and has no 16-bit instance).
+      return fp8 || C::kFp8Staged ? verify_attn_kernel<C, T, Idx, true, B> : verify_attn_kernel<C, T, Idx, C::kFp8Staged, B>;
+    });
+  });
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
   kernel<<<grid, C::kThreads, C::kSmemBytes, current_stream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-template <typename C, typename T>
-void launch_portable(const VerifyParams<T>& p, bool fp8, bool idx32, dim3 grid) {
-  if (p.balanced) {
-    launch_portable<C, T, true>(p, fp8, idx32, grid);
-  } else {
-    launch_portable<C, T, false>(p, fp8, idx32, grid);
-  }
 }
 
 bool is_fp8_pool(const at::Tensor& kv_cache) {
@@ -1030,7 +1025,8 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
       cfg.stream = current_stream();
       cfg.attrs = &pdl;
       cfg.numAttrs = which == VerifyKernel::kSeesaw ? 1 : 0;
-      C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, balanced ? merge_splits_kernel<T_, true> : merge_splits_kernel<T_, false>, p));
+      auto merge_kernel = with_flag(balanced, [](auto b) { return merge_splits_kernel<T_, decltype(b)::value>; });
+      C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, merge_kernel, p));
     }
   });
 }

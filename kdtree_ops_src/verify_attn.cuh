@@ -11,6 +11,7 @@
 #include <cuda_fp8.h>
 
 #include <cfloat>
+#include <type_traits>
 
 namespace kdtree {
 
@@ -403,6 +404,14 @@ __device__ __forceinline__ CtaSpan cta_span(const VerifyParams<T>& p, int b, int
   c.n_tiles = c.pre_tiles + (has_tree ? (c.nodes + kKeys - 1) / kKeys : 0);
   return c;
 }
+
+// f(std::true_type{}) or f(std::false_type{}) as `flag` says: a launcher's runtime choice
+// turned into the template argument of the kernel instance it takes.
+template <typename F> decltype(auto) with_flag(bool flag, F&& f) {
+  return flag ? f(std::true_type{}) : f(std::false_type{});
+}
+// The slot index type of kv_indices (int32 or int64).
+template <typename I32> using SlotIndex = std::conditional_t<I32::value, int32_t, int64_t>;
 
 // The kernel that serves verify_attn on grid (row tiles, splits).
 enum class VerifyKernel {

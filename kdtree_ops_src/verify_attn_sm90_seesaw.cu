@@ -956,13 +956,15 @@ template <typename T>
 void launch_verify_attn_seesaw(const VerifyParams<T>& p, bool idx32, bool boxes, dim3 grid, cudaStream_t stream) {
   CUtensorMap kv_map{};
   const bool boxable = boxes && p.kv8 == nullptr && env_flag("KDTREE_VERIFY_TMA", true) && encode_kv_map(p, kv_map);
-  auto pick = [&](auto balanced) {
-    constexpr bool B = decltype(balanced)::value;
-    return p.kv8    ? (idx32 ? verify_attn_seesaw_kernel<T, int32_t, true, false, B> : verify_attn_seesaw_kernel<T, int64_t, true, false, B>)
-           : boxable ? (idx32 ? verify_attn_seesaw_kernel<T, int32_t, false, true, B> : verify_attn_seesaw_kernel<T, int64_t, false, true, B>)
-                     : (idx32 ? verify_attn_seesaw_kernel<T, int32_t, false, false, B> : verify_attn_seesaw_kernel<T, int64_t, false, false, B>);
-  };
-  auto kernel = p.balanced ? pick(std::true_type{}) : pick(std::false_type{});
+  auto kernel = with_flag(p.balanced > 0, [&](auto balanced) {
+    return with_flag(idx32, [&](auto i32) {
+      using Idx = SlotIndex<decltype(i32)>;
+      constexpr bool B = decltype(balanced)::value;
+      return p.kv8    ? verify_attn_seesaw_kernel<T, Idx, true, false, B>
+             : boxable ? verify_attn_seesaw_kernel<T, Idx, false, true, B>
+                       : verify_attn_seesaw_kernel<T, Idx, false, false, B>;
+    });
+  });
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(p, kv_map);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
