@@ -134,7 +134,7 @@ __device__ __forceinline__ Segment prefix_split_segment(const VerifyParams<T>& p
   s.q_begin = c.q_begin;
   s.rows_b = c.rows_b;
   s.kv_begin = c.kv_begin;
-  s.prefix = b == kMalformedBatch ? 0 : static_cast<int>(p.kv_indptr[b + 1]) - c.kv_begin;
+  s.prefix = c.prefix;
   s.key_begin = c.pre_begin;
   s.key_end = c.n_tiles > c.pre_tiles ? s.prefix + c.nodes : c.pre_end;
   s.direct = p.splits == 1;
@@ -757,8 +757,8 @@ void launch_portable(const VerifyParams<T>& p, bool fp8, bool idx32, dim3 grid) 
     return with_flag(idx32, [&](auto i32) {
       using Idx = SlotIndex<decltype(i32)>;
       constexpr bool B = decltype(balanced)::value;
-      // A staged CTA is taken for fp8 pools only (and has no 16-bit instance).
-      return fp8 || C::kFp8Staged ? verify_attn_kernel<C, T, Idx, true, B> : verify_attn_kernel<C, T, Idx, C::kFp8Staged, B>;
+      // A staged CTA is taken for fp8 pools only: it has no 16-bit instance.
+      return fp8 ? verify_attn_kernel<C, T, Idx, true, B> : verify_attn_kernel<C, T, Idx, C::kFp8Staged, B>;
     });
   });
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));

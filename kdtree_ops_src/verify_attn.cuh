@@ -382,7 +382,7 @@ __device__ __forceinline__ Segment balanced_segment(const VerifyParams<T>& p, in
 // What one CTA covers of request b: its rows, and its split of the prefix (an equal, 32-key
 // aligned chunk; the last split also takes the tree's own keys), in 32-key tiles.
 struct CtaSpan {
-  int q_begin, nodes, rows_b, kv_begin, pre_begin, pre_end, pre_tiles, n_tiles;
+  int q_begin, nodes, rows_b, kv_begin, prefix, pre_begin, pre_end, pre_tiles, n_tiles;
 };
 template <typename T>
 __device__ __forceinline__ CtaSpan cta_span(const VerifyParams<T>& p, int b, int split) {
@@ -395,10 +395,10 @@ __device__ __forceinline__ CtaSpan cta_span(const VerifyParams<T>& p, int b, int
   c.nodes = static_cast<int>(p.qo_indptr[b + 1]) - c.q_begin;
   c.rows_b = c.nodes * p.heads;
   c.kv_begin = static_cast<int>(p.kv_indptr[b]);
-  const int prefix = static_cast<int>(p.kv_indptr[b + 1]) - c.kv_begin;
-  const int chunk = ((prefix + p.splits - 1) / p.splits + kKeys - 1) / kKeys * kKeys;
-  c.pre_begin = min(prefix, split * chunk);
-  c.pre_end = min(prefix, c.pre_begin + chunk);
+  c.prefix = static_cast<int>(p.kv_indptr[b + 1]) - c.kv_begin;
+  const int chunk = ((c.prefix + p.splits - 1) / p.splits + kKeys - 1) / kKeys * kKeys;
+  c.pre_begin = min(c.prefix, split * chunk);
+  c.pre_end = min(c.prefix, c.pre_begin + chunk);
   c.pre_tiles = (c.pre_end - c.pre_begin + kKeys - 1) / kKeys;
   const bool has_tree = split == p.splits - 1;
   c.n_tiles = c.pre_tiles + (has_tree ? (c.nodes + kKeys - 1) / kKeys : 0);

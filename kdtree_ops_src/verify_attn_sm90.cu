@@ -175,7 +175,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_sm90_kernel(const Ver
   if (b == kNoWork) return;
 
   const int split = blockIdx.y;
-  const auto [q_begin, nodes, rows_b, kv_begin, pre_begin, pre_end, pre_tiles, n_tiles] = cta_span(p, b, split);
+  const auto [q_begin, nodes, rows_b, kv_begin, prefix, pre_begin, pre_end, pre_tiles, n_tiles] = cta_span(p, b, split);
   const bool direct = p.splits == 1;
 
   // ---- Q: every thread copies 16-byte chunks, consecutive threads along a row ----
