@@ -12,8 +12,8 @@ op (wrapper)                           CUDA impl
 merge_state, merge_state_              merge_state.cu
 verify_attn, verify_attn_out           verify_attn.cu (portable mma.sync kernel, the host
                                        dispatch and the split merge); on sm_90
-                                       verify_attn_sm90.cu and verify_attn_sm90_seesaw.cu
-                                       (+ verify_attn_sm90.cuh)
+                                       verify_attn_sm90.cu, verify_attn_sm90_seesaw.cu and
+                                       verify_attn_sm90_fp8.cu (+ verify_attn_sm90.cuh)
 pack_tree_mask, sglang_mask_to_packed  mask.cu
 build_tree                             build_tree.cu (+ build_tree_replay.cuh,
                                        build_tree_levels.cuh)

@@ -1021,6 +1021,9 @@ VERIFY_KERNEL_ENV = {
     # the seesaw kernel on the balanced schedule (BalancedWork), even for one request
     "balanced": {"KDTREE_VERIFY_ROWS": "64", "KDTREE_VERIFY_BALANCE": "1"},
     "wgmma": {"KDTREE_VERIFY_SEESAW": "0"},
+    # over an fp8 pool the opt-in keys-as-M kernel (verify_attn_sm90_fp8.cu); else the seesaw one
+    "fp8keys": {"KDTREE_VERIFY_ROWS": "64", "KDTREE_VERIFY_BALANCE": "0", "KDTREE_VERIFY_FP8_KERNEL": "1"},
+    "fp8keys_balanced": {"KDTREE_VERIFY_ROWS": "64", "KDTREE_VERIFY_BALANCE": "1", "KDTREE_VERIFY_FP8_KERNEL": "1"},
     "portable": {"KDTREE_VERIFY_WGMMA": "0", "KDTREE_VERIFY_ROWS": "64", "KDTREE_VERIFY_BALANCE": "0"},
     "portable48": {"KDTREE_VERIFY_WGMMA": "0", "KDTREE_VERIFY_ROWS": "48", "KDTREE_VERIFY_BALANCE": "0"},
     "portable16": {"KDTREE_VERIFY_WGMMA": "0", "KDTREE_VERIFY_ROWS": "16", "KDTREE_VERIFY_BALANCE": "0"},
@@ -1033,7 +1036,8 @@ VERIFY_KERNEL_ENV = {
 @pytest.fixture(params=list(VERIFY_KERNEL_ENV))
 def verify_kernel(request, monkeypatch):
     """Runs the test once per kernel (the choice is read at every call, so also at capture)."""
-    for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA", "KDTREE_VERIFY_ROWS", "KDTREE_VERIFY_BALANCE"):
+    for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA", "KDTREE_VERIFY_ROWS", "KDTREE_VERIFY_BALANCE",
+                 "KDTREE_VERIFY_FP8_KERNEL"):
         monkeypatch.delenv(name, raising=False)
     for name, value in VERIFY_KERNEL_ENV[request.param].items():
         monkeypatch.setenv(name, value)
@@ -1183,13 +1187,14 @@ def launched_kernels(fn):
 
 
 def verify_attn_served(case, **kw):
-    """verify_attn's (out, lse) on the case and which verify kernels served it: "seesaw", or
-    the portable CTA's rows ("16 staged": the 16-row CTA that stages an fp8 pool's next tile
-    as bytes)."""
+    """verify_attn's (out, lse) on the case and which verify kernels served it: "seesaw", "fp8"
+    (the Hopper kernel that keeps an fp8 pool's rows as e4m3), or the portable CTA's rows ("16
+    staged": the 16-row CTA that stages an fp8 pool's next tile as bytes)."""
     result, names = launched_kernels(lambda: kdtree_ops.verify_attn(*verify_args(case), **kw))
     served = {rows + (" staged" if staged == "true" else "")
               for n in names for rows, staged in re.findall(r"Cta<(\d+), \d+, \d+, (true|false)>", n)}
     served |= {"seesaw" for n in names if "seesaw" in n}
+    served |= {"fp8" for n in names if "verify_attn_fp8_kernel" in n}
     return result, served
 
 
@@ -1217,6 +1222,27 @@ def test_verify_attn_cuda_sm90_kernel_choice(heads, node_counts, pool, rows, wan
     monkeypatch.setenv("KDTREE_VERIFY_ROWS", rows)
     case, kw, ref = with_pool(make_verify_case([1000] * len(node_counts), node_counts, heads), pool)
     (out, lse), served = verify_attn_served(case, max_kv_len=1000, **kw)
+    assert served == {want}
+    assert_verify_close(out, lse, ref)
+
+
+@pytest.mark.skipif(not GPU or torch.cuda.get_device_capability() != (9, 0), reason="the Hopper kernels serve sm_90 only")
+@pytest.mark.parametrize("heads,node_counts,pool,balance,want", [
+    (17, [1] * 2, "uint8", "", "fp8"),  # 17 rows over an fp8 pool: the keys-as-M kernel
+    (16, [9], "float8_e4m3fn", "", "fp8"),
+    (16, [1, 3, 2], "uint8", "1", "fp8"),  # unequal trees on the balanced schedule
+    (16, [1] * 3, "uint8", "", "16"),  # requests of at most 16 rows stay on the portable 16-row CTA
+    (16, [9], "q_dtype", "", "seesaw"),  # a bf16 pool: the seesaw kernel
+])
+def test_verify_attn_cuda_fp8_kernel_opt_in(heads, node_counts, pool, balance, want, monkeypatch):
+    """KDTREE_VERIFY_FP8_KERNEL=1 puts fp8 pools on the keys-as-M kernel (48-row CTAs) wherever
+    the seesaw kernel would serve them, and changes nothing else."""
+    for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA", "KDTREE_VERIFY_ROWS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("KDTREE_VERIFY_FP8_KERNEL", "1")
+    monkeypatch.setenv("KDTREE_VERIFY_BALANCE", balance)
+    case, kw, ref = with_pool(make_verify_case([700, 1500, 90][:len(node_counts)], node_counts, heads), pool)
+    (out, lse), served = verify_attn_served(case, max_kv_len=1500, **kw)
     assert served == {want}
     assert_verify_close(out, lse, ref)
 

@@ -866,7 +866,7 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   // KDTREE_VERIFY_ROWS=48 or 64 keeps sm_90's small fp8 requests on the Hopper kernel.
   const int portable = portable_rows(T, H, batch);
   const VerifyKernel which = pick_verify_kernel(sm_scale, fp8, fp8 && portable == Cta16::kRows);
-  const int rows = which == VerifyKernel::kPortable ? portable : kRows;
+  const int rows = which == VerifyKernel::kPortable ? portable : which == VerifyKernel::kFp8 ? kFp8CtaRows : kRows;
   // Grid: one CTA per (request, row tile) and prefix split. The tile count bound and the
   // split count depend only on shapes and host hints, so the launch is graph-capturable.
   const int64_t tiles = ceil_div(T * H, rows) + batch;
@@ -882,7 +882,8 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   // Q and partials cost 330 KB per split, as much as 290 keys (1x16x4 @32k on an H200: 132
   // splits of 248 keys ran 0.059 ms, 64 splits of 512 keys 0.050).
   const int64_t split_cap = max_kv_len >= 0 ? std::max<int64_t>(64, max_kv_len / 512) : 64;
-  const int64_t min_split_keys = which == VerifyKernel::kSeesaw ? 128 : 256;
+  const bool seesaw_merge = which == VerifyKernel::kSeesaw || which == VerifyKernel::kFp8;
+  const int64_t min_split_keys = seesaw_merge ? 128 : 256;
   auto splits_for = [&](int64_t slots) {
     int64_t max_split = std::min({kMaxSplits, split_cap, (2 * slots + work_tiles - 1) / work_tiles});
     if (max_kv_len >= 0) max_split = std::clamp<int64_t>(max_kv_len / min_split_keys, 1, max_split);
@@ -1024,7 +1025,7 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
       cfg.blockDim = dim3(128);
       cfg.stream = current_stream();
       cfg.attrs = &pdl;
-      cfg.numAttrs = which == VerifyKernel::kSeesaw ? 1 : 0;
+      cfg.numAttrs = seesaw_merge ? 1 : 0;
       auto merge_kernel = with_flag(balanced, [](auto b) { return merge_splits_kernel<T_, decltype(b)::value>; });
       C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, merge_kernel, p));
     }

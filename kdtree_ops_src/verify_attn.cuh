@@ -1,5 +1,5 @@
 // Shared by the verify-attention kernels: the portable one (verify_attn.cu) and the Hopper ones
-// (verify_attn_sm90_seesaw.cu, verify_attn_sm90.cu). All take the same grid (CTA = one
+// (verify_attn_sm90_seesaw.cu, verify_attn_sm90.cu, verify_attn_sm90_fp8.cu). All take the same grid (CTA = one
 // request's kRows (node, head) rows x one split of its keys) and write the same direct or
 // partial outputs, so the host's split heuristic and the split merge serve any of them; how a
 // request's keys are split may differ between kernels (the merge is order-free). The seesaw
@@ -379,6 +379,36 @@ __device__ __forceinline__ Segment balanced_segment(const VerifyParams<T>& p, in
   return s;
 }
 
+// Split `split` of row tile row0 of request b: an equal, 128-key (chunk) aligned share of its
+// keys (the equal-split schedule of the Hopper kernels).
+template <typename T>
+__device__ __forceinline__ Segment split_segment(const VerifyParams<T>& p, int b, int row0, int split) {
+  Segment c{};
+  c.b = b;
+  c.row0 = row0;
+  c.direct = p.splits == 1;
+  if (b == kNoWork) return c;  // a tile past the work: the CTA returns (and reads no indptr)
+  if (b == kMalformedBatch) {  // rows to write NaN, no keys (find_row_tile)
+    c.rows_b = static_cast<int>(p.rows_total);
+    c.part = split * p.rows_total + row0;
+    return c;
+  }
+  c.q_begin = static_cast<int>(p.qo_indptr[b]);
+  const int nodes = static_cast<int>(p.qo_indptr[b + 1]) - c.q_begin;
+  c.rows_b = nodes * p.heads;
+  c.kv_begin = static_cast<int>(p.kv_indptr[b]);
+  c.prefix = static_cast<int>(p.kv_indptr[b + 1]) - c.kv_begin;
+  const int64_t total = static_cast<int64_t>(c.prefix) + nodes;
+  const int64_t pairs = (total + kChunkKeys - 1) / kChunkKeys;
+  const int64_t chunk = (pairs + p.splits - 1) / p.splits * kChunkKeys;
+  const int64_t begin = split * chunk < total ? split * chunk : total;
+  c.key_begin = static_cast<int>(begin);
+  c.key_end = static_cast<int>(begin + chunk < total ? begin + chunk : total);
+  c.n_chunks = (c.key_end - c.key_begin + kChunkKeys - 1) / kChunkKeys;
+  c.part = split * p.rows_total + static_cast<int64_t>(c.q_begin) * p.heads + row0;
+  return c;
+}
+
 // What one CTA covers of request b: its rows, and its split of the prefix (an equal, 32-key
 // aligned chunk; the last split also takes the tree's own keys), in 32-key tiles.
 struct CtaSpan {
@@ -419,9 +449,13 @@ enum class VerifyKernel {
   kWgmma,     // verify_attn_sm90.cu
   kSeesaw,    // verify_attn_sm90_seesaw.cu; lets the split merge start early (programmatic
               // dependent launch)
+  kFp8,       // verify_attn_sm90_fp8.cu: fp8 pools, in kFp8CtaRows-row CTAs; the merge as kSeesaw
 };
+// Rows per CTA of the kFp8 kernel (its wgmma N).
+constexpr int kFp8CtaRows = 48;
 
-// kSeesaw when the current device is sm_90 and this build carries its sm_90a code, unless
+// kSeesaw (over an fp8 pool kFp8 where KDTREE_VERIFY_FP8_KERNEL=1) when the current device
+// is sm_90 and this build carries its sm_90a code, unless
 // KDTREE_VERIFY_WGMMA=0 (kPortable) or KDTREE_VERIFY_SEESAW=0 (kWgmma); the seesaw kernel
 // takes a positive, finite scale only (kWgmma otherwise). Over an fp8 pool kPortable instead
 // of kWgmma (no fp8 path there) and for requests the portable kernel gives 16-row CTAs
@@ -435,5 +469,7 @@ void launch_verify_attn_sm90(VerifyKernel kernel, const VerifyParams<T>& p, bool
                              cudaStream_t stream);
 template <typename T>
 void launch_verify_attn_seesaw(const VerifyParams<T>& p, bool idx32, bool boxes, dim3 grid, cudaStream_t stream);
+template <typename T>
+void launch_verify_attn_fp8(const VerifyParams<T>& p, bool idx32, dim3 grid, cudaStream_t stream);
 
 }  // namespace kdtree

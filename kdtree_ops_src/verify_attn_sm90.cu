@@ -498,7 +498,10 @@ VerifyKernel pick_verify_kernel(double sm_scale, bool fp8, bool fp8_small_rows) 
   // quarter of the work (H200: 64x16x1 @8k 0.162 against 0.230 ms, 16x8x1 @32k 0.172 against
   // 0.230). Over a bf16 pool the seesaw kernel stays ahead or even (0.185 against 0.185, 0.176
   // against 0.188).
-  return fp8_small_rows ? VerifyKernel::kPortable : VerifyKernel::kSeesaw;
+  if (fp8_small_rows) return VerifyKernel::kPortable;
+  // The keys-as-M fp8 kernel is opt-in: on an H200 it is still slower than the seesaw
+  // kernel's fp8 path on most shapes (BENCHMARKS.md).
+  return fp8 && env_flag("KDTREE_VERIFY_FP8_KERNEL", false) ? VerifyKernel::kFp8 : VerifyKernel::kSeesaw;
 }
 
 template <typename T>
@@ -506,6 +509,10 @@ void launch_verify_attn_sm90(VerifyKernel which, const VerifyParams<T>& p, bool 
                              cudaStream_t stream) {
   if (which == VerifyKernel::kSeesaw) {
     launch_verify_attn_seesaw(p, idx32, boxes, grid, stream);
+    return;
+  }
+  if (which == VerifyKernel::kFp8) {
+    launch_verify_attn_fp8(p, idx32, grid, stream);
     return;
   }
   auto kernel = idx32 ? verify_attn_sm90_kernel<T, int32_t> : verify_attn_sm90_kernel<T, int64_t>;

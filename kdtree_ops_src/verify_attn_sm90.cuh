@@ -1,5 +1,5 @@
-// Hopper (sm_90a) primitives shared by the two wgmma verify kernels (verify_attn_sm90.cu,
-// verify_attn_sm90_seesaw.cu): mbarrier and cp.async completion, proxy fence, wgmma group
+// Hopper (sm_90a) primitives shared by the wgmma verify kernels (verify_attn_sm90.cu,
+// verify_attn_sm90_seesaw.cu, verify_attn_sm90_fp8.cu): mbarrier and cp.async completion, proxy fence, wgmma group
 // control, and the accumulator operand lists of their wgmma asm. Compiled only for sm_90a.
 #pragma once
 

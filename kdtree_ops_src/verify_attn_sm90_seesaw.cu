@@ -208,34 +208,6 @@ __device__ __forceinline__ uint64_t v_desc(uint32_t kbuf, int half) {
 
 static_assert(kChunkKeys == kPairKeys, "the balanced schedule's chunk is a tile pair");
 static_assert(sizeof(Segment) <= kSegBytes && kOffSeg % alignof(Segment) == 0);
-// Split `split` of row tile row0 of request b: an equal, 128-key aligned share of its keys.
-template <typename T>
-__device__ __forceinline__ Segment split_segment(const VerifyParams<T>& p, int b, int row0, int split) {
-  Segment c{};
-  c.b = b;
-  c.row0 = row0;
-  c.direct = p.splits == 1;
-  if (b == kNoWork) return c;  // a tile past the work: the CTA returns (and reads no indptr)
-  if (b == kMalformedBatch) {  // rows to write NaN, no keys (find_row_tile)
-    c.rows_b = static_cast<int>(p.rows_total);
-    c.part = split * p.rows_total + row0;
-    return c;
-  }
-  c.q_begin = static_cast<int>(p.qo_indptr[b]);
-  const int nodes = static_cast<int>(p.qo_indptr[b + 1]) - c.q_begin;
-  c.rows_b = nodes * p.heads;
-  c.kv_begin = static_cast<int>(p.kv_indptr[b]);
-  c.prefix = static_cast<int>(p.kv_indptr[b + 1]) - c.kv_begin;
-  const int64_t total = static_cast<int64_t>(c.prefix) + nodes;
-  const int64_t pairs = (total + kPairKeys - 1) / kPairKeys;
-  const int64_t chunk = (pairs + p.splits - 1) / p.splits * kPairKeys;
-  const int64_t begin = split * chunk < total ? split * chunk : total;
-  c.key_begin = static_cast<int>(begin);
-  c.key_end = static_cast<int>(begin + chunk < total ? begin + chunk : total);
-  c.n_chunks = (c.key_end - c.key_begin + kPairKeys - 1) / kPairKeys;
-  c.part = split * p.rows_total + static_cast<int64_t>(c.q_begin) * p.heads + row0;
-  return c;
-}
 
 // The producer over an fp8 pool (Fp8Math). Thread lt owns a row r of each tile and dims
 // [16 hh, +16) and [32 + 16 hh, +16) (hh = 0 or 1) of each 64-dim column block: four 16-byte
