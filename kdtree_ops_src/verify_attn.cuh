@@ -409,6 +409,19 @@ __device__ __forceinline__ Segment split_segment(const VerifyParams<T>& p, int b
   return c;
 }
 
+// Called by one full warp: the CTA's first segment, under the balanced schedule or its equal
+// split of the row tile (of Rows rows) blockIdx.x.
+template <int Rows, bool Balanced, typename T>
+__device__ __forceinline__ Segment first_segment(const VerifyParams<T>& p, int lane) {
+  if constexpr (Balanced) {
+    return balanced_segment(p, lane, nullptr);
+  } else {
+    int req, row0;
+    find_row_tile<T, Rows>(p, blockIdx.x, lane, req, row0);
+    return split_segment(p, req, row0, blockIdx.y);
+  }
+}
+
 // What one CTA covers of request b: its rows, and its split of the prefix (an equal, 32-key
 // aligned chunk; the last split also takes the tree's own keys), in 32-key tiles.
 struct CtaSpan {

@@ -359,14 +359,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_fp8_kernel(const Veri
 
   const int tid = threadIdx.x, wg = tid / kWgThreads, lt = tid % kWgThreads;
   if (tid < 32) {
-    Segment first;
-    if constexpr (Balanced) {
-      first = balanced_segment(p, tid, nullptr);
-    } else {
-      int req, row0;
-      find_row_tile<T, kCtaRows>(p, blockIdx.x, tid, req, row0);
-      first = split_segment(p, req, row0, blockIdx.y);
-    }
+    const Segment first = first_segment<kCtaRows, Balanced>(p, tid);
     if (tid == 0) s_seg[0] = first;
   }
   if (tid == 32) {
