@@ -53,31 +53,6 @@ constexpr int kQRegSteps = 24;
 // the loaders' bad-slot OR.
 constexpr int kBarPFull = 1, kBarPEmpty = 3, kBarStats = 5, kBarLoaded = 6;
 
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-__device__ __forceinline__ void named_sync(int id) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
-}
-__device__ __forceinline__ void named_arrive(int id) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
-}
-
-// Shared-memory matrix descriptor: start address, leading and stride byte offsets (16-byte
-// units) and swizzle (1: 128-byte, 2: 64-byte). K-major swizzled operands ignore the leading
-// offset; an MN-major one (V) steps 64-element MN blocks by it.
-__device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint32_t sbo, uint32_t swizzle) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | static_cast<uint64_t>(lbo >> 4) << 16 |
-         static_cast<uint64_t>(sbo >> 4) << 32 | static_cast<uint64_t>(swizzle) << 62;
-}
-
 #define KD_ACC16 KD_ACC8(0), KD_ACC8(8)
 #define KD_ACC64(i) KD_ACC8(i), KD_ACC8(i + 8), KD_ACC8(i + 16), KD_ACC8(i + 24), KD_ACC8(i + 32),  \
       KD_ACC8(i + 40), KD_ACC8(i + 48), KD_ACC8(i + 56)
@@ -278,7 +253,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_sm90_kernel(const Ver
 
       // P buffer t % 2 was last read by the P V of tile t - 2.
       const int pb = t & 1;
-      if (t >= 2) named_sync(kBarPEmpty + pb);
+      if (t >= 2) named_sync(kBarPEmpty + pb, kThreads);
       // K-major, 64-byte swizzle: row r is 64 B, its 16-byte chunk j sits at j ^ ((r >> 1) & 3).
       uint8_t* pbuf = smem + kOffP + pb * kPBytes + t4 * 4;
 #pragma unroll
@@ -291,7 +266,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_sm90_kernel(const Ver
         s_scale[pb * kRows + rB] = alphaB;
       }
       fence_proxy_async();
-      named_arrive(kBarPFull + pb);
+      named_arrive(kBarPFull + pb, kThreads);
     };
 
     // Tile t: start the product of tile t + 1, then finish tile t while it runs. Past the end
@@ -354,7 +329,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_sm90_kernel(const Ver
           p.part_lse[split * p.rows_total + static_cast<int64_t>(q_begin) * p.heads + m] = lse;
       }
     }
-    named_arrive(kBarStats);
+    named_arrive(kBarStats, kThreads);
   } else {
     // ================= WG1, WG2: K gathers, O[:, 256h, +256) += P V =================
     const int h = wg - 1;
@@ -402,7 +377,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_sm90_kernel(const Ver
       const int u = t + kStages;
       const Idx next0 = slot_of(u, lr), next1 = slot_of(u, lr + 16);  // loads in flight meanwhile
       const int pb = t & 1;
-      named_sync(kBarPFull + pb);
+      named_sync(kBarPFull + pb, kThreads);
       const float aA = s_scale[pb * kRows + rA], aB = s_scale[pb * kRows + rB];
       if (aA != 1.f || aB != 1.f) {
 #pragma unroll
@@ -421,11 +396,11 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_sm90_kernel(const Ver
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(o);
-      if (t + 2 < n_tiles) named_arrive(kBarPEmpty + pb);
+      if (t + 2 < n_tiles) named_arrive(kBarPEmpty + pb, kThreads);
       if (u < n_tiles) load_tile(u, next0, next1);
     }
 
-    named_sync(kBarStats);
+    named_sync(kBarStats, kThreads);
     // Whether either loading warpgroup met a slot outside kv_cache; WG0's lse is written by now
     // (kBarStats), so a bad CTA's NaN lse lands after it.
     const bool malformed = s_tile[0] == kMalformedBatch;  // rows to write NaN, no keys (find_row_tile)

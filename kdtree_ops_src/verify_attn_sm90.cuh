@@ -1,6 +1,7 @@
 // Hopper (sm_90a) primitives shared by the wgmma verify kernels (verify_attn_sm90.cu,
-// verify_attn_sm90_seesaw.cu, verify_attn_sm90_fp8.cu): mbarrier and cp.async completion, proxy fence, wgmma group
-// control, and the accumulator operand lists of their wgmma asm. Compiled only for sm_90a.
+// verify_attn_sm90_seesaw.cu, verify_attn_sm90_fp8.cu): mbarriers, named barriers, cp.async
+// completion, proxy fence, shared-memory matrix descriptors, wgmma group control, and the
+// accumulator operand lists of their wgmma asm. Compiled only for sm_90a.
 #pragma once
 
 #include <cstdint>
@@ -10,6 +11,45 @@ namespace kdtree {
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+// Waits for the phase of `parity` on `bar`; every lane of the warp must call it. The loop's
+// branch is warp-uniform (vote, bra.uni), so a wgmma chain may run across the wait without
+// ptxas serializing the kernel's wgmma ops.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred p, all;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "vote.sync.all.pred all, p, 0xffffffff;\n"
+      "@!all bra.uni WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// Whether the phase of `parity` has completed, without waiting.
+__device__ __forceinline__ bool mbar_test(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Named barrier `id` (0 is __syncthreads) over `count` threads: wait, or arrive without waiting.
+__device__ __forceinline__ void named_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+// Shared-memory matrix descriptor: start address, leading and stride byte offsets (16-byte
+// units) and swizzle (1: 128-byte, 2: 64-byte). K-major swizzled operands ignore the leading
+// offset; an MN-major one (V) steps its 64-element MN blocks by it.
+__device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint32_t sbo, uint32_t swizzle = 1) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | static_cast<uint64_t>(lbo >> 4) << 16 |
+         static_cast<uint64_t>(sbo >> 4) << 32 | static_cast<uint64_t>(swizzle) << 62;
 }
 // Arrives on `bar` once every earlier cp.async of this thread has landed.
 __device__ __forceinline__ void cp_async_arrive(uint32_t bar) {

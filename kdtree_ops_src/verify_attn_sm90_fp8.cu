@@ -64,6 +64,7 @@ constexpr int kSmemBytes = kOffSeg + 2 * kSegBytes + 1024;
 static_assert(kSmemBytes <= 227 * 1024, "must fit sm_90's 227 KB per block");
 static_assert(kOffK % 1024 == 0 && kOffP % 1024 == 0 && kPBytes % 1024 == 0, "swizzle atoms");
 static_assert(kCtaRows % 8 == 0 && kCtaRows <= 64, "wgmma N, and 128-byte P rows of 64 keys");
+static_assert(sizeof(Segment) <= kSegBytes && kOffSeg % alignof(Segment) == 0);
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define KD_SM90A 1
@@ -75,24 +76,6 @@ constexpr float kMaxInit = -1e30f;  // a row's first max: finite, below every re
 // consumers; all three warpgroups (the producer's bad-slot OR).
 constexpr int kBarTile = 1, kBarVote = 3, kBarTileMax = 5, kBarPStored = 7, kBarConsumers = 9, kBarLoaded = 10;
 
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred p, all;\nWAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      "vote.sync.all.pred all, p, 0xffffffff;\n"
-      "@!all bra.uni WAIT;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void named_sync(int id, int count) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-__device__ __forceinline__ void named_arrive(int id, int count) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
 // One consumer's 128 threads: whether any passed true.
 __device__ __forceinline__ bool wg_any(int id, bool v) {
   uint32_t any;
@@ -103,12 +86,6 @@ __device__ __forceinline__ bool wg_any(int id, bool v) {
       : "r"(static_cast<uint32_t>(v)), "r"(id)
       : "memory");
   return any != 0;
-}
-
-// K-major operand descriptor, 128-byte swizzle: 8-row groups 1024 bytes apart.
-__device__ __forceinline__ uint64_t kmajor_desc(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | uint64_t{1} << 16 | uint64_t{1024 >> 4} << 32 |
-         uint64_t{1} << 62;
 }
 
 // D (+)= A B over 16 k: m64 n48, A (f16) from registers, B (f16, K-major) from shared memory.
@@ -195,7 +172,7 @@ __device__ __forceinline__ void issue_qk(float (&s)[24], const uint8_t* kbuf, ui
         e4m3x4_to_f16((&raw[1].x)[st], f[1], f[3]);
       }
       wgmma_fence();
-      const uint64_t qd = kmajor_desc(sQ + cb * kQBlockBytes + st * 32);
+      const uint64_t qd = make_desc(sQ + cb * kQBlockBytes + st * 32, 16, 1024);
       if (k == 0) wgmma_m64n48<false>(s, f, qd);
       else wgmma_m64n48<true>(s, f, qd);
       wgmma_commit();
@@ -254,7 +231,7 @@ __device__ __forceinline__ void issue_pv(float (&o)[4][24], const uint8_t* kbuf,
         e4m3x4_to_f16(x23, f[2], f[3]);
       }
       wgmma_fence();
-      wgmma_m64n48<true>(o[mb], f, kmajor_desc(sP + ks * 32));
+      wgmma_m64n48<true>(o[mb], f, make_desc(sP + ks * 32, 16, 1024));
       wgmma_commit();
     }
 #pragma unroll

@@ -34,7 +34,7 @@
 namespace kdtree {
 namespace {
 
-constexpr int kWgThreads = 128, kThreads = 3 * kWgThreads;
+constexpr int kWgThreads = 128, kThreads = 3 * kWgThreads, kConsumers = 2 * kWgThreads;
 constexpr int kCols = kDqk / 64;                 // 64-dim (128-byte) column blocks per row
 constexpr int kBlockBytes = 64 * 128;            // one column block of 64 rows or 64 keys
 constexpr int kTileBytes = kCols * kBlockBytes;  // Q, or one K buffer: 72 KB
@@ -74,45 +74,6 @@ constexpr int kBarMax0 = 1, kBarMax1 = 2, kBarP0 = 3, kBarP1 = 4, kBarSum = 5;
 constexpr int kBarLoaded = 6;
 // The producer warpgroup (128 threads) agreeing on whether a tile's slots run consecutively.
 constexpr int kBarRun = 7;
-
-// The loop's branch is warp-uniform (vote, bra.uni): a wgmma chain may run across the wait
-// without ptxas serializing the kernel's wgmma ops.
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred p, all;\nWAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      "vote.sync.all.pred all, p, 0xffffffff;\n"
-      "@!all bra.uni WAIT;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-// Whether the phase of `parity` has completed, without waiting.
-__device__ __forceinline__ bool mbar_test(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  asm volatile(
-      "{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(done)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return done != 0;
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void named_sync(int id) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(2 * kWgThreads) : "memory");
-}
-__device__ __forceinline__ void named_arrive(int id) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(2 * kWgThreads) : "memory");
-}
-
-// Shared-memory matrix descriptor, 128-byte swizzle: start address, leading and stride byte
-// offsets (16-byte units). K-major operands (Q, K, P) ignore the leading offset; V (the K
-// buffer read MN-major) steps its 64-dim blocks by it.
-__device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | static_cast<uint64_t>(lbo >> 4) << 16 |
-         static_cast<uint64_t>(sbo >> 4) << 32 | uint64_t{1} << 62;
-}
 
 #define KD_ACC32(i) KD_ACC8(i), KD_ACC8(i + 8), KD_ACC8(i + 16), KD_ACC8(i + 24)
 #define KD_REGS32                                                                                    \
@@ -586,7 +547,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         peak = __reduce_max_sync(0xffffffffu, peak_bits_fold(peak));
         uint32_t* s_peak = reinterpret_cast<uint32_t*>(s_max);  // free until the first softmax
         if (lane == 0) s_peak[tid >> 5] = peak;
-        named_sync(kBarSum);
+        named_sync(kBarSum, kConsumers);
 #pragma unroll
         for (int w = 0; w < 2 * kWgThreads / 32; ++w) peak = max(peak, s_peak[w]);
         q_factor = q_f16_factor(peak);
@@ -594,7 +555,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int j = 0; j < kPerThread; ++j) q16[j * 2 * kWgThreads] = to_f16x8<T>(q16[j * 2 * kWgThreads], q_factor, unused);
         fence_proxy_async();  // read by wgmma (async proxy)
-        named_sync(kBarSum);  // every thread's part of Q, and every read of s_peak
+        named_sync(kBarSum, kConsumers);  // every thread's part of Q, and every read of s_peak
       }
       const float c = Fp8 ? p.scale_log2 * (k_scale / q_factor) : p.scale_log2;  // > 0 (the host sends other scales elsewhere)
       const int unmasked_end = min(prefix, key_end);  // tiles below need no mask
@@ -725,7 +686,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             s_max[rA] = runA;
             s_max[rB] = runB;
           }
-          named_arrive(kBarMax0);
+          named_arrive(kBarMax0, kConsumers);
           // O[:, 0:256) += P0 V0
           wgmma_fence();
           issue_pv_rs<M>(o, ps, v0);
@@ -734,7 +695,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           fence_regs(o);
           mbar_arrive(bar_free(0, 0));
           // WG1's odd tile may have moved the max: bring P0 to it, hand P0 over, rescale O
-          named_sync(kBarMax1);
+          named_sync(kBarMax1, kConsumers);
           {
             const float nA = s_max[rA], nB = s_max[rB];
             const float aA = nA != runA ? fast_exp2(runA - nA) : 1.f, aB = nB != runB ? fast_exp2(runB - nB) : 1.f;
@@ -749,13 +710,13 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
             store_p(sP0, ps);
             fence_proxy_async();
-            named_arrive(kBarP0);
+            named_arrive(kBarP0, kConsumers);
             lA *= aA;
             lB *= aB;
             if (aA != 1.f || aB != 1.f) scale_o(o, aA, aB);
           }
           // O[:, 0:256) += P1 V1
-          named_sync(kBarP1);
+          named_sync(kBarP1, kConsumers);
           wgmma_fence();
           issue_pv_ss<M>(o, sP1, v1);
           wgmma_commit();
@@ -795,7 +756,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           // softmax of the odd tile against the max WG0 left after the even one
           float mxA, mxB;
           tile_max(s, key_begin + (2 * pr + 1) * kTileKeys, mxA, mxB);
-          named_sync(kBarMax0);
+          named_sync(kBarMax0, kConsumers);
           {
             const float nA = next_max(s_max[rA], mxA), nB = next_max(s_max[rB], mxB);
             const float aA = nA != runA ? fast_exp2(runA - nA) : 1.f, aB = nB != runB ? fast_exp2(runB - nB) : 1.f;
@@ -811,16 +772,16 @@ __global__ void __launch_bounds__(kThreads, 1)
             s_max[rA] = runA;
             s_max[rB] = runB;
           }
-          named_arrive(kBarMax1);
+          named_arrive(kBarMax1, kConsumers);
           // O[:, 256:512) += P1 V1, and P1 to WG0
           wgmma_fence();
           issue_pv_rs<M>(o, ps, v1);
           wgmma_commit();
           store_p(sP1, ps);
           fence_proxy_async();
-          named_arrive(kBarP1);
+          named_arrive(kBarP1, kConsumers);
           // O[:, 256:512) += P0 V0
-          named_sync(kBarP0);
+          named_sync(kBarP0, kConsumers);
           wgmma_fence();
           issue_pv_ss<M>(o, sP0, v0);
           wgmma_commit();
@@ -841,7 +802,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         s_sum[wg * kRows + rA] = lA;
         s_sum[wg * kRows + rB] = lB;
       }
-      named_sync(kBarSum);
+      named_sync(kBarSum, kConsumers);
       // A slot outside kv_cache met by the producer, or a malformed batch: NaN rows.
       const bool malformed = b == kMalformedBatch;
       const bool slot_bad = bar_or<kBarLoaded, kThreads>(false);
