@@ -40,8 +40,10 @@ namespace {
 constexpr int kWgThreads = 128, kThreads = 3 * kWgThreads, kConsumers = 2 * kWgThreads;
 constexpr int kCtaRows = kFp8CtaRows;  // wgmma N
 // Register fragments in flight: each wgmma its own 4 registers, a slot reused once the wgmma
-// kRing before it has completed (a wgmma reads its registers until it completes).
-constexpr int kRing = 8;
+// kRing before it has completed (a wgmma reads its registers until it completes). More than 2
+// and ptxas lacks the registers to keep the wgmma asynchronous (C7511: it serializes them all;
+// up to 8% slower on an H200).
+constexpr int kRing = 2;
 constexpr int kRowsPerThread = kCtaRows / 4;  // accumulator columns 8 i + 2 t4 + e
 constexpr int kTileKeys = 64, kTreeKeys = 32;
 constexpr int kBufs = 4, kPBufs = 3;
@@ -69,7 +71,9 @@ static_assert(sizeof(Segment) <= kSegBytes && kOffSeg % alignof(Segment) == 0);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define KD_SM90A 1
 
-constexpr int kConsumerRegs = 216, kProducerRegs = 72;
+// ptxas pipelines the consumers' wgmma only with 240 registers (C7512 at 232); the producer
+// then spills, which measured as no slower (its copies wait on memory either way).
+constexpr int kConsumerRegs = 240, kProducerRegs = 24;
 constexpr float kMaxInit = -1e30f;  // a row's first max: finite, below every real score
 // Named barriers (0 is __syncthreads). Tile t published (its owner arrives, the other waits):
 // kBarTile + (t & 1); per consumer: its max vote, its tile max exchange, its P stores; both
@@ -134,7 +138,8 @@ __device__ __forceinline__ int row_pos(int r, int b) {
 template <bool Tree>
 __device__ __forceinline__ void issue_qk(float (&s)[24], const uint8_t* kbuf, uint32_t sQ, int w, int g, int t4) {
   const int kA = 16 * w + 2 * g;
-  // A block's raw bytes are loaded one block ahead, so no load waits behind a wgmma wait.
+  // A prefix block's raw bytes are loaded one block ahead, so no load waits behind a wgmma wait
+  // (a tree tile's, 64 bytes a thread, in place: their registers are what the pipeline lacks).
   // e4m3: row kA's 16 bytes, row kA + 1's; f16 (Tree): 32 bytes of each. Warps 2 and 3 of a
   // tree tile read rows 0-31 again (no branch: fragment registers defined on a divergent
   // path make ptxas serialize every wgmma of the kernel).
@@ -156,7 +161,11 @@ __device__ __forceinline__ void issue_qk(float (&s)[24], const uint8_t* kbuf, ui
   load(0, raw);
 #pragma unroll
   for (int cb = 0; cb < kCols; ++cb) {
-    if (cb + 1 < kCols) load(cb + 1, next);
+    if constexpr (Tree) {
+      if (cb > 0) load(cb, raw);
+    } else if (cb + 1 < kCols) {
+      load(cb + 1, next);
+    }
 #pragma unroll
     for (int st = 0; st < 4; ++st) {
       const int k = 4 * cb + st;
@@ -177,8 +186,9 @@ __device__ __forceinline__ void issue_qk(float (&s)[24], const uint8_t* kbuf, ui
       else wgmma_m64n48<true>(s, f, qd);
       wgmma_commit();
     }
+    if constexpr (!Tree)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) raw[j] = next[j];
+      for (int j = 0; j < 4; ++j) raw[j] = next[j];
   }
 }
 
@@ -191,7 +201,8 @@ template <bool Tree>
 __device__ __forceinline__ void issue_pv(float (&o)[4][24], const uint8_t* kbuf, uint32_t sP, int wg, int w, int g,
                                          int t4) {
   constexpr int kSteps = Tree ? kTreeKeys / 16 : kTileKeys / 16;
-  // A step's raw bytes one step ahead (see issue_qk): 4 key rows, 8 bytes of each (Tree: 16).
+  // A step's raw bytes one step ahead (a tree tile's in place; see issue_qk): 4 key rows, 8
+  // bytes of each (Tree: 16).
   auto load = [&](int ks, uint4 (&raw)[4]) {
     const int r0 = 16 * ks + 2 * t4;
     const int rows[4] = {r0, r0 + 1, r0 + 8, r0 + 9};
@@ -211,7 +222,11 @@ __device__ __forceinline__ void issue_pv(float (&o)[4][24], const uint8_t* kbuf,
   load(0, raw);
 #pragma unroll
   for (int ks = 0; ks < kSteps; ++ks) {
-    if (ks + 1 < kSteps) load(ks + 1, next);
+    if constexpr (Tree) {
+      if (ks > 0) load(ks, raw);
+    } else if (ks + 1 < kSteps) {
+      load(ks + 1, next);
+    }
 #pragma unroll
     for (int mb = 0; mb < 4; ++mb) {
       const int k = 4 * ks + mb;
@@ -234,8 +249,9 @@ __device__ __forceinline__ void issue_pv(float (&o)[4][24], const uint8_t* kbuf,
       wgmma_m64n48<true>(o[mb], f, make_desc(sP + ks * 32, 16, 1024));
       wgmma_commit();
     }
+    if constexpr (!Tree)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) raw[j] = next[j];
+      for (int j = 0; j < 4; ++j) raw[j] = next[j];
   }
 }
 
@@ -449,12 +465,21 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_fp8_kernel(const Veri
       for (int mb = 0; mb < 4; ++mb)
 #pragma unroll
         for (int i = 0; i < 24; ++i) o[mb][i] = 0.f;
+      // Pinned here: a zeroing the compiler sinks between a wgmma and its wait makes ptxas
+      // serialize every wgmma of the kernel (C7515).
+      fence_regs(o[0]);
+      fence_regs(o[1]);
+      fence_regs(o[2]);
+      fence_regs(o[3]);
       float s[24];
-      float run[kRowsPerThread], l[kRowsPerThread];
+      // The row sums live in shared memory (s_sum, one slot per warp and row, kept by the
+      // warp's lanes g = 0): 12 registers fewer is what lets ptxas pipeline the wgmma.
+      float run[kRowsPerThread];
+      auto l_of = [&](int i) -> float& { return s_sum[row_n(i >> 1, i & 1) * 8 + wg * 4 + w]; };
 #pragma unroll
       for (int i = 0; i < kRowsPerThread; ++i) {
         run[i] = kMaxInit;
-        l[i] = 0.f;
+        if (g == 0) l_of(i) = 0.f;
       }
       auto kbuf_of = [&](int t) { return k_smem + ((tile_base + t) % kBufs) * kBufBytes; };
       auto wait_ready = [&](int t) {
@@ -481,7 +506,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_fp8_kernel(const Veri
           a[i] = to[i] != run[i] ? fast_exp2(run[i] - to[i]) : 1.f;
           moved |= a[i] != 1.f;
           run[i] = to[i];
-          l[i] *= a[i];
+          if (g == 0) l_of(i) *= a[i];
         }
         if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
@@ -504,8 +529,9 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_fp8_kernel(const Veri
           float m[kRowsPerThread];
 #pragma unroll
           for (int i = 0; i < kRowsPerThread; ++i) m[i] = s_max[(t & 1) * kCtaRows + row_n(i >> 1, i & 1)];
-          if (t + 1 < tl.n) wgmma_wait<2>();  // this consumer's next S^T may still run
-          else wgmma_wait<0>();
+          // All of this consumer's products, its next S^T too: ptxas cannot tell which a partial
+          // wait leaves running and serializes the kernel for it (C7514).
+          wgmma_wait<0>();
           if (t > 0) free_tile(t - 1);
           fence_regs(o[0]);
           fence_regs(o[1]);
@@ -516,8 +542,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_fp8_kernel(const Veri
           continue;
         }
         // ---- own tile: S^T, mask, max, P ----
-        if (t > 0) wgmma_wait<2>();  // the other's P V may still run
-        else wgmma_wait<0>();
+        wgmma_wait<0>();  // (C7514, as above)
         fence_regs(s);
         const bool tree = t >= tl.n_pre;
         const int key0 = tree ? tl.tree0 + (t - tl.n_pre) * kTreeKeys : sg.key_begin + t * kTileKeys;
@@ -608,7 +633,12 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_fp8_kernel(const Veri
         fence_regs(o[3]);
         rescale(m);
 #pragma unroll
-        for (int i = 0; i < kRowsPerThread; ++i) l[i] += sum[i];
+        for (int i = 0; i < kRowsPerThread; ++i) {
+          sum[i] += __shfl_xor_sync(0xffffffffu, sum[i], 4);
+          sum[i] += __shfl_xor_sync(0xffffffffu, sum[i], 8);
+          sum[i] += __shfl_xor_sync(0xffffffffu, sum[i], 16);
+          if (g == 0) l_of(i) += sum[i];
+        }
         pv(t);
         if (t + 2 < tl.n) qk(t + 2);
       }
@@ -620,16 +650,6 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_fp8_kernel(const Veri
       if (tl.n > 0) free_tile(tl.n - 1);
 
       // ---- epilogue: row sums over both consumers, then this consumer's half of O ----
-#pragma unroll
-      for (int i = 0; i < kRowsPerThread; ++i) {
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 4);
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 8);
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 16);
-      }
-      if (g == 0) {
-#pragma unroll
-        for (int i = 0; i < kRowsPerThread; ++i) s_sum[row_n(i >> 1, i & 1) * 8 + wg * 4 + w] = l[i];
-      }
       named_sync(kBarConsumers, kConsumers);
       const bool malformed = sg.b == kMalformedBatch;
       const bool slot_bad = bar_or<kBarLoaded, kThreads>(false);
