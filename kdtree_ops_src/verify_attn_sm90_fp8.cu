@@ -56,7 +56,7 @@ constexpr int kOffK = kCols * kQBlockBytes;
 constexpr int kOffP = kOffK + kBufs * kBufBytes;
 constexpr int kOffMax = kOffP + kPBufs * kPBytes;           // [2][rows]: m of tile t at [t & 1]
 constexpr int kOffTileMax = kOffMax + 2 * kCtaRows * 4;     // [2 consumers][4 warps][rows]
-constexpr int kOffSum = kOffTileMax + 8 * kCtaRows * 4;     // [rows][8 warps]; Q's peak first
+constexpr int kOffSum = kOffTileMax + 8 * kCtaRows * 4;     // [rows][8 warps]: running row sums
 constexpr int kOffNode = kOffSum + 8 * kCtaRows * 4;        // [rows] node of each row
 constexpr int kOffBar = kOffNode + kCtaRows * 4;            // mbarriers: K ready x 4, K free x 4
 constexpr int kOffSeg = kOffBar + 8 * 2 * kBufs;            // [2] Segment: this one and the next
@@ -80,6 +80,13 @@ constexpr float kMaxInit = -1e30f;  // a row's first max: finite, below every re
 // consumers; all three warpgroups (the producer's bad-slot OR).
 constexpr int kBarTile = 1, kBarVote = 3, kBarTileMax = 5, kBarPStored = 7, kBarConsumers = 9, kBarLoaded = 10;
 
+// Over the 8 lanes g of a warp that hold the same accumulator columns (rows) for other keys.
+template <typename Op>
+__device__ __forceinline__ float over_keys(float v, Op op) {
+  v = op(v, __shfl_xor_sync(0xffffffffu, v, 4));
+  v = op(v, __shfl_xor_sync(0xffffffffu, v, 8));
+  return op(v, __shfl_xor_sync(0xffffffffu, v, 16));
+}
 // One consumer's 128 threads: whether any passed true.
 __device__ __forceinline__ bool wg_any(int id, bool v) {
   uint32_t any;
@@ -461,16 +468,17 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_fp8_kernel(const Veri
       const int* mask_base = p.mask ? p.mask + static_cast<int64_t>(sg.q_begin) * p.mask_stride : nullptr;
 
       float o[4][24];
+      auto fence_o = [&] {
+#pragma unroll
+        for (int mb = 0; mb < 4; ++mb) fence_regs(o[mb]);
+      };
 #pragma unroll
       for (int mb = 0; mb < 4; ++mb)
 #pragma unroll
         for (int i = 0; i < 24; ++i) o[mb][i] = 0.f;
       // Pinned here: a zeroing the compiler sinks between a wgmma and its wait makes ptxas
       // serialize every wgmma of the kernel (C7515).
-      fence_regs(o[0]);
-      fence_regs(o[1]);
-      fence_regs(o[2]);
-      fence_regs(o[3]);
+      fence_o();
       float s[24];
       // The row sums live in shared memory (s_sum, one slot per warp and row, kept by the
       // warp's lanes g = 0): 12 registers fewer is what lets ptxas pipeline the wgmma.
@@ -533,10 +541,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_fp8_kernel(const Veri
           // wait leaves running and serializes the kernel for it (C7514).
           wgmma_wait<0>();
           if (t > 0) free_tile(t - 1);
-          fence_regs(o[0]);
-          fence_regs(o[1]);
-          fence_regs(o[2]);
-          fence_regs(o[3]);
+          fence_o();
           rescale(m);
           pv(t);
           continue;
@@ -579,11 +584,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_fp8_kernel(const Veri
           for (int i = 0; i < 6; ++i)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              float mx = fmaxf(s[4 * i + e], s[4 * i + 2 + e]);
-              mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
-              mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
-              mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
-              m[2 * i + e] = mx;
+              m[2 * i + e] = over_keys(fmaxf(s[4 * i + e], s[4 * i + 2 + e]), fmaxf);
             }
           if (g == 0) {
 #pragma unroll
@@ -627,26 +628,18 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_fp8_kernel(const Veri
         // ---- P V into this half of O, then the next own tile's S^T ----
         wgmma_wait<0>();
         if (t > 0) free_tile(t - 1);
-        fence_regs(o[0]);
-        fence_regs(o[1]);
-        fence_regs(o[2]);
-        fence_regs(o[3]);
+        fence_o();
         rescale(m);
 #pragma unroll
         for (int i = 0; i < kRowsPerThread; ++i) {
-          sum[i] += __shfl_xor_sync(0xffffffffu, sum[i], 4);
-          sum[i] += __shfl_xor_sync(0xffffffffu, sum[i], 8);
-          sum[i] += __shfl_xor_sync(0xffffffffu, sum[i], 16);
-          if (g == 0) l_of(i) += sum[i];
+          const float tile_sum = over_keys(sum[i], [](float a, float b) { return a + b; });
+          if (g == 0) l_of(i) += tile_sum;
         }
         pv(t);
         if (t + 2 < tl.n) qk(t + 2);
       }
       wgmma_wait<0>();
-      fence_regs(o[0]);
-      fence_regs(o[1]);
-      fence_regs(o[2]);
-      fence_regs(o[3]);
+      fence_o();
       if (tl.n > 0) free_tile(tl.n - 1);
 
       // ---- epilogue: row sums over both consumers, then this consumer's half of O ----
