@@ -44,8 +44,9 @@ __device__ __forceinline__ void named_sync(int id, int count) {
 __device__ __forceinline__ void named_arrive(int id, int count) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
-// Shared-memory matrix descriptor: start address, leading and stride byte offsets (16-byte
-// units) and swizzle (1: 128-byte, 2: 64-byte). K-major swizzled operands ignore the leading
+// Shared-memory matrix descriptor: start address, leading and stride offsets in bytes
+// (multiples of 16; the descriptor holds them in 16-byte units) and swizzle (1: 128-byte, 2:
+// 64-byte). K-major swizzled operands ignore the leading
 // offset; an MN-major one (V) steps its 64-element MN blocks by it.
 __device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint32_t sbo, uint32_t swizzle = 1) {
   return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | static_cast<uint64_t>(lbo >> 4) << 16 |
