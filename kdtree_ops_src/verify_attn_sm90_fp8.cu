@@ -137,19 +137,50 @@ __device__ __forceinline__ int row_pos(int r, int b) {
   return x < kDqk ? x : x - kDqk;
 }
 
+// The wgmma pipeline both products run: kSteps steps of 4 wgmma each. Step j's raw bytes are
+// loaded one step ahead into registers (a tree tile's at the step itself: the registers of a
+// second set are what the pipeline lacks), load(j, raw); wgmma i of step j takes slot
+// (4 j + i) % kRing of the fragment ring, refilled by frags(i, raw, f) once the wgmma that read
+// it last is done, and issued by mma(j, i, f).
+template <bool Tree, int kSteps, typename Load, typename Frags, typename Mma>
+__device__ __forceinline__ void wgmma_steps(Load load, Frags frags, Mma mma) {
+  uint32_t frag[kRing][4];
+  uint4 raw[4], next[4];
+  load(0, raw);
+#pragma unroll
+  for (int j = 0; j < kSteps; ++j) {
+    if constexpr (Tree) {
+      if (j > 0) load(j, raw);
+    } else if (j + 1 < kSteps) {
+      load(j + 1, next);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int k = 4 * j + i;
+      uint32_t (&f)[4] = frag[k % kRing];
+      if (k >= kRing) wgmma_wait<kRing - 1>();  // wgmma k - kRing has read this slot
+      frags(i, raw, f);
+      wgmma_fence();
+      mma(j, i, f);
+      wgmma_commit();
+    }
+    if constexpr (!Tree)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) raw[r] = next[r];
+  }
+}
+
 // S^T = K Q^T for one tile: 9 column blocks of 4 16-dim steps. The thread's keys are tile rows
 // kA = 16 w + 2 g and kA + 1 (M rows 16 w + g, + 8); per block one 16-byte load of each (e4m3:
 // bytes 64 cb + 16 t4 ..; a tree tile's f16 rows: 32 bytes) gives the 4 steps' fragments.
-// Each 16-dim step takes a slot of the fragment ring (kRing).
 // A tree tile holds 32 keys: warps 2 and 3 multiply copies (their keys are masked).
 template <bool Tree>
 __device__ __forceinline__ void issue_qk(float (&s)[24], const uint8_t* kbuf, uint32_t sQ, int w, int g, int t4) {
   const int kA = 16 * w + 2 * g;
-  // A prefix block's raw bytes are loaded one block ahead, so no load waits behind a wgmma wait
-  // (a tree tile's, 64 bytes a thread, in place: their registers are what the pipeline lacks).
-  // e4m3: row kA's 16 bytes, row kA + 1's; f16 (Tree): 32 bytes of each. Warps 2 and 3 of a
-  // tree tile read rows 0-31 again (no branch: fragment registers defined on a divergent
-  // path make ptxas serialize every wgmma of the kernel).
+  // A block's raw bytes (loaded a block ahead of its wgmma, so no load waits behind a wgmma
+  // wait): e4m3, row kA's 16 bytes and row kA + 1's; f16 (Tree): 32 bytes of each. Warps 2 and
+  // 3 of a tree tile read rows 0-31 again (no branch: fragment registers defined on a
+  // divergent path make ptxas serialize every wgmma of the kernel).
   auto load = [&](int cb, uint4 (&raw)[4]) {
     if constexpr (Tree) {
       const uint8_t* ra = kbuf + (kA % kTreeKeys) * kTreeRowBytes + cb * 128 + 32 * t4;
@@ -163,40 +194,23 @@ __device__ __forceinline__ void issue_qk(float (&s)[24], const uint8_t* kbuf, ui
       raw[1] = lds128(kbuf + (kA + 1) * kDqk + off);
     }
   };
-  uint32_t frag[kRing][4];
-  uint4 raw[4], next[4];
-  load(0, raw);
-#pragma unroll
-  for (int cb = 0; cb < kCols; ++cb) {
-    if constexpr (Tree) {
-      if (cb > 0) load(cb, raw);
-    } else if (cb + 1 < kCols) {
-      load(cb + 1, next);
-    }
-#pragma unroll
-    for (int st = 0; st < 4; ++st) {
-      const int k = 4 * cb + st;
-      uint32_t (&f)[4] = frag[k % kRing];
-      if (k >= kRing) wgmma_wait<kRing - 1>();  // step k - kRing has read this slot
-      if constexpr (Tree) {
-        f[0] = st < 2 ? (&raw[0].x)[2 * st] : (&raw[1].x)[2 * st - 4];
-        f[2] = st < 2 ? (&raw[0].x)[2 * st + 1] : (&raw[1].x)[2 * st - 3];
-        f[1] = st < 2 ? (&raw[2].x)[2 * st] : (&raw[3].x)[2 * st - 4];
-        f[3] = st < 2 ? (&raw[2].x)[2 * st + 1] : (&raw[3].x)[2 * st - 3];
-      } else {
-        e4m3x4_to_f16((&raw[0].x)[st], f[0], f[2]);
-        e4m3x4_to_f16((&raw[1].x)[st], f[1], f[3]);
-      }
-      wgmma_fence();
-      const uint64_t qd = make_desc(sQ + cb * kQBlockBytes + st * 32, 16, 1024);
-      if (k == 0) wgmma_m64n48<false>(s, f, qd);
-      else wgmma_m64n48<true>(s, f, qd);
-      wgmma_commit();
-    }
-    if constexpr (!Tree)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) raw[j] = next[j];
-  }
+  wgmma_steps<Tree, kCols>(load,
+                           [&](int st, const uint4 (&raw)[4], uint32_t (&f)[4]) {
+                             if constexpr (Tree) {
+                               f[0] = st < 2 ? (&raw[0].x)[2 * st] : (&raw[1].x)[2 * st - 4];
+                               f[2] = st < 2 ? (&raw[0].x)[2 * st + 1] : (&raw[1].x)[2 * st - 3];
+                               f[1] = st < 2 ? (&raw[2].x)[2 * st] : (&raw[3].x)[2 * st - 4];
+                               f[3] = st < 2 ? (&raw[2].x)[2 * st + 1] : (&raw[3].x)[2 * st - 3];
+                             } else {
+                               e4m3x4_to_f16((&raw[0].x)[st], f[0], f[2]);
+                               e4m3x4_to_f16((&raw[1].x)[st], f[1], f[3]);
+                             }
+                           },
+                           [&](int cb, int st, const uint32_t (&f)[4]) {
+                             const uint64_t qd = make_desc(sQ + cb * kQBlockBytes + st * 32, 16, 1024);
+                             if (cb == 0 && st == 0) wgmma_m64n48<false>(s, f, qd);
+                             else wgmma_m64n48<true>(s, f, qd);
+                           });
 }
 
 // O^T += V^T P^T for one tile over this consumer's dims: 4 16-key steps (a tree tile: 2), each
@@ -208,8 +222,7 @@ template <bool Tree>
 __device__ __forceinline__ void issue_pv(float (&o)[4][24], const uint8_t* kbuf, uint32_t sP, int wg, int w, int g,
                                          int t4) {
   constexpr int kSteps = Tree ? kTreeKeys / 16 : kTileKeys / 16;
-  // A step's raw bytes one step ahead (a tree tile's in place; see issue_qk): 4 key rows, 8
-  // bytes of each (Tree: 16).
+  // A step's raw bytes: 4 key rows, 8 bytes of each (Tree: 16).
   auto load = [&](int ks, uint4 (&raw)[4]) {
     const int r0 = 16 * ks + 2 * t4;
     const int rows[4] = {r0, r0 + 1, r0 + 8, r0 + 9};
@@ -224,42 +237,26 @@ __device__ __forceinline__ void issue_pv(float (&o)[4][24], const uint8_t* kbuf,
       }
     }
   };
-  uint32_t frag[kRing][4];
-  uint4 raw[4], next[4];
-  load(0, raw);
-#pragma unroll
-  for (int ks = 0; ks < kSteps; ++ks) {
-    if constexpr (Tree) {
-      if (ks > 0) load(ks, raw);
-    } else if (ks + 1 < kSteps) {
-      load(ks + 1, next);
-    }
-#pragma unroll
-    for (int mb = 0; mb < 4; ++mb) {
-      const int k = 4 * ks + mb;
-      uint32_t (&f)[4] = frag[k % kRing];
-      if (k >= kRing) wgmma_wait<kRing - 1>();
-      if constexpr (Tree) {
-        const uint32_t x0 = (&raw[0].x)[mb], x1 = (&raw[1].x)[mb], x2 = (&raw[2].x)[mb], x3 = (&raw[3].x)[mb];
-        f[0] = prmt(x0, x1, 0x5410);
-        f[1] = prmt(x0, x1, 0x7632);
-        f[2] = prmt(x2, x3, 0x5410);
-        f[3] = prmt(x2, x3, 0x7632);
-      } else {
-        const uint32_t sel = mb & 1 ? 0x7362 : 0x5140;
-        const uint32_t x01 = prmt(mb < 2 ? raw[0].x : raw[0].y, mb < 2 ? raw[1].x : raw[1].y, sel);
-        const uint32_t x23 = prmt(mb < 2 ? raw[2].x : raw[2].y, mb < 2 ? raw[3].x : raw[3].y, sel);
-        e4m3x4_to_f16(x01, f[0], f[1]);
-        e4m3x4_to_f16(x23, f[2], f[3]);
-      }
-      wgmma_fence();
-      wgmma_m64n48<true>(o[mb], f, make_desc(sP + ks * 32, 16, 1024));
-      wgmma_commit();
-    }
-    if constexpr (!Tree)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) raw[j] = next[j];
-  }
+  wgmma_steps<Tree, kSteps>(load,
+                            [&](int mb, const uint4 (&raw)[4], uint32_t (&f)[4]) {
+                              if constexpr (Tree) {
+                                const uint32_t x0 = (&raw[0].x)[mb], x1 = (&raw[1].x)[mb], x2 = (&raw[2].x)[mb],
+                                               x3 = (&raw[3].x)[mb];
+                                f[0] = prmt(x0, x1, 0x5410);
+                                f[1] = prmt(x0, x1, 0x7632);
+                                f[2] = prmt(x2, x3, 0x5410);
+                                f[3] = prmt(x2, x3, 0x7632);
+                              } else {
+                                const uint32_t sel = mb & 1 ? 0x7362 : 0x5140;
+                                const uint32_t x01 = prmt(mb < 2 ? raw[0].x : raw[0].y, mb < 2 ? raw[1].x : raw[1].y, sel);
+                                const uint32_t x23 = prmt(mb < 2 ? raw[2].x : raw[2].y, mb < 2 ? raw[3].x : raw[3].y, sel);
+                                e4m3x4_to_f16(x01, f[0], f[1]);
+                                e4m3x4_to_f16(x23, f[2], f[3]);
+                              }
+                            },
+                            [&](int ks, int mb, const uint32_t (&f)[4]) {
+                              wgmma_m64n48<true>(o[mb], f, make_desc(sP + ks * 32, 16, 1024));
+                            });
 }
 
 // The tiles of a segment: its prefix keys in 64-key e4m3 tiles, then its tree keys in 32-key
