@@ -1,10 +1,13 @@
 // Hopper (sm_90a) primitives shared by the wgmma verify kernels (verify_attn_sm90.cu,
 // verify_attn_sm90_seesaw.cu, verify_attn_sm90_fp8.cu): mbarriers, named barriers, cp.async
 // completion, proxy fence, shared-memory matrix descriptors, wgmma group control, and the
-// accumulator operand lists of their wgmma asm. Compiled only for sm_90a.
+// accumulator operand lists of their wgmma asm, and the start the segment-walking kernels
+// share. Compiled only for sm_90a.
 #pragma once
 
 #include <cstdint>
+
+#include "verify_attn.cuh"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 namespace kdtree {
@@ -71,6 +74,27 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
 template <int N> __device__ __forceinline__ void fence_regs(float (&r)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// The start of a kernel that walks segments (seesaw, fp8): warp 0 finds the CTA's first
+// segment into s_seg[0], thread 32 initializes the mbarriers (init_bars) and makes them visible
+// to the async proxy. False for a CTA with no work, which returns. Otherwise the split merge
+// launched behind the kernel may now be scheduled: it waits for this grid's completion before
+// it reads anything.
+template <int Rows, bool Balanced, typename T, typename InitBars>
+__device__ __forceinline__ bool start_segments(const VerifyParams<T>& p, Segment* s_seg, int tid, InitBars init_bars) {
+  if (tid < 32) {
+    const Segment first = first_segment<Rows, Balanced>(p, tid);
+    if (tid == 0) s_seg[0] = first;
+  }
+  if (tid == 32) {
+    init_bars();
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (s_seg[0].b == kNoWork) return false;
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  return true;
 }
 
 // Accumulator operands: KD_ACC8(i) binds d[i .. i+7] (asm strings name them from %0 on).

@@ -355,22 +355,13 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_fp8_kernel(const Veri
   Segment* s_seg = reinterpret_cast<Segment*>(smem + kOffSeg);
 
   const int tid = threadIdx.x, wg = tid / kWgThreads, lt = tid % kWgThreads;
-  if (tid < 32) {
-    const Segment first = first_segment<kCtaRows, Balanced>(p, tid);
-    if (tid == 0) s_seg[0] = first;
-  }
-  if (tid == 32) {
+  const bool has_work = start_segments<kCtaRows, Balanced>(p, s_seg, tid, [&] {
     for (int i = 0; i < kBufs; ++i) {
       mbar_init(bar_ready + 8 * i, kWgThreads);
       mbar_init(bar_free + 8 * i, kConsumers);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
-  if (s_seg[0].b == kNoWork) return;
-  // The split merge (launched behind this kernel) may be scheduled now; it waits for this
-  // grid's completion before it reads anything.
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  });
+  if (!has_work) return;
 
   // K buffer phases run on over the tiles of all segments (tile_base: those of the earlier
   // ones). The producer finds segment k + 1 while the consumers finish k and publishes it

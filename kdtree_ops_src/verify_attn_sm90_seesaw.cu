@@ -439,20 +439,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   Segment* s_seg = reinterpret_cast<Segment*>(smem + kOffSeg);
 
   const int tid = threadIdx.x, wg = tid / kWgThreads, lt = tid % kWgThreads;
-  if (tid < 32) {
-    const Segment first = first_segment<kRows, Balanced>(p, tid);
-    if (tid == 0) s_seg[0] = first;
-  }
-  if (tid == 32) {
-    mbar_init(bar_q, kWgThreads);
-    for (int i = 1; i < kBars; ++i) mbar_init(bar_q + 8 * i, kWgThreads);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
-  if (s_seg[0].b == kNoWork) return;
-  // The split merge (launched behind this kernel) may be scheduled now; it waits for this
-  // grid's completion before it reads anything.
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  const bool has_work = start_segments<kRows, Balanced>(p, s_seg, tid, [&] {
+    for (int i = 0; i < kBars; ++i) mbar_init(bar_q + 8 * i, kWgThreads);
+  });
+  if (!has_work) return;
 
   // Segment k's Q lands on bar_q's phase k; the K barriers' phases run on over the tile pairs
   // of all segments (pair_base: those of the earlier ones), a K-ready barrier's over the pairs
