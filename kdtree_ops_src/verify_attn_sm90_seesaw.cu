@@ -628,6 +628,25 @@ __global__ void __launch_bounds__(kThreads, 1)
       uint32_t ps[16];
       // Running max (log2 domain) of rows rA, rB, and this thread's share of their sums.
       float runA = kMaxInit, runB = kMaxInit, lA = 0.f, lB = 0.f;
+      // Moves the running max of rows rA, rB to nA, nB; aA, aB bring what was computed against
+      // the old max to the new one (1 where it stays).
+      auto move_max = [&](float nA, float nB, float& aA, float& aB) {
+        aA = nA != runA ? fast_exp2(runA - nA) : 1.f;
+        aB = nB != runB ? fast_exp2(runB - nB) : 1.f;
+        runA = nA;
+        runB = nB;
+      };
+      // The sums and O by those factors.
+      auto rescale = [&](float aA, float aB) {
+        lA *= aA;
+        lB *= aB;
+        if (aA != 1.f || aB != 1.f) scale_o(o, aA, aB);
+      };
+      auto move_max_rescale_o = [&](float nA, float nB) {
+        float aA, aB;
+        move_max(nA, nB, aA, aB);
+        rescale(aA, aB);
+      };
 
       // K ready for a half of buffer `buf`: where the producer runs its boxed loop its first
       // column block, else the half; then the proxy fence for rows copied by cp.async or widened
@@ -664,12 +683,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           tile_max(s, key_begin + 2 * pr * kTileKeys, mxA, mxB);
           {
             const float nA = next_max(runA, mxA), nB = next_max(runB, mxB);
-            const float aA = nA != runA ? fast_exp2(runA - nA) : 1.f, aB = nB != runB ? fast_exp2(runB - nB) : 1.f;
-            runA = nA;
-            runB = nB;
-            lA *= aA;
-            lB *= aB;
-            if (aA != 1.f || aB != 1.f) scale_o(o, aA, aB);
+            move_max_rescale_o(nA, nB);
           }
           exp_tile(s, ps, runA, runB, lA, lB);
           if (t4 == 0) {
@@ -688,9 +702,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           named_sync(kBarMax1, kConsumers);
           {
             const float nA = s_max[rA], nB = s_max[rB];
-            const float aA = nA != runA ? fast_exp2(runA - nA) : 1.f, aB = nB != runB ? fast_exp2(runB - nB) : 1.f;
-            runA = nA;
-            runB = nB;
+            float aA, aB;
+            move_max(nA, nB, aA, aB);
             if (aA != 1.f || aB != 1.f) {
 #pragma unroll
               for (int q = 0; q < 16; ++q) {
@@ -701,9 +714,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             store_p(sP0, ps);
             fence_proxy_async();
             named_arrive(kBarP0, kConsumers);
-            lA *= aA;
-            lB *= aB;
-            if (aA != 1.f || aB != 1.f) scale_o(o, aA, aB);
+            rescale(aA, aB);
           }
           // O[:, 0:256) += P1 V1
           named_sync(kBarP1, kConsumers);
@@ -749,12 +760,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           named_sync(kBarMax0, kConsumers);
           {
             const float nA = next_max(s_max[rA], mxA), nB = next_max(s_max[rB], mxB);
-            const float aA = nA != runA ? fast_exp2(runA - nA) : 1.f, aB = nB != runB ? fast_exp2(runB - nB) : 1.f;
-            runA = nA;
-            runB = nB;
-            lA *= aA;
-            lB *= aB;
-            if (aA != 1.f || aB != 1.f) scale_o(o, aA, aB);
+            move_max_rescale_o(nA, nB);
           }
           exp_tile(s, ps, runA, runB, lA, lB);
           __syncwarp();  // every lane of a quad has read s_max before its first lane rewrites it
