@@ -53,37 +53,25 @@ constexpr int kQRegSteps = 24;
 // the loaders' bad-slot OR.
 constexpr int kBarPFull = 1, kBarPEmpty = 3, kBarStats = 5, kBarLoaded = 6;
 
-#define KD_ACC16 KD_ACC8(0), KD_ACC8(8)
-#define KD_ACC64(i) KD_ACC8(i), KD_ACC8(i + 8), KD_ACC8(i + 16), KD_ACC8(i + 24), KD_ACC8(i + 32),  \
-      KD_ACC8(i + 40), KD_ACC8(i + 48), KD_ACC8(i + 56)
-#define KD_ACC16_ASM "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15},"
 #define KD_WGMMA_M64N32(TY)                                                                          \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                          \
-               "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " " KD_ACC16_ASM              \
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " " KD_REGS16                 \
                "%16, %17, p, 1, 1, 0, 0;\n}\n"                                                       \
-               : KD_ACC16                                                                            \
+               : KD_ACC8(0), KD_ACC8(8)                                                              \
                : "l"(a), "l"(b), "n"(int(ScaleD)))
 // A from registers: the four 32-bit A fragments, then B's descriptor.
 #define KD_WGMMA_M64N32_RS(TY)                                                                       \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                          \
-               "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " " KD_ACC16_ASM              \
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " " KD_REGS16                 \
                "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"                                         \
-               : KD_ACC16                                                                            \
+               : KD_ACC8(0), KD_ACC8(8)                                                              \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(int(ScaleD)))
 
 #define KD_WGMMA_M64N256(TY)                                                                         \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                         \
-               "wgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " "                          \
-               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18," \
-               "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35," \
-               "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52," \
-               "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69," \
-               "%70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86," \
-               "%87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103," \
-               "%104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117," \
-               "%118, %119, %120, %121, %122, %123, %124, %125, %126, %127},"                        \
+               "wgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " " KD_REGS128               \
                "%128, %129, p, 1, 1, 0, 1;\n}\n"                                                     \
-               : KD_ACC64(0), KD_ACC64(64)                                                           \
+               : KD_ACC32(0), KD_ACC32(32), KD_ACC32(64), KD_ACC32(96)                               \
                : "l"(a), "l"(b), "n"(int(ScaleD)))
 // S (+)= Q K^T over 16 dims: A and B K-major.
 template <typename T, bool ScaleD>
@@ -107,9 +95,9 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[128], uint64_t a, uint64_t b
 #undef KD_WGMMA_M64N32
 #undef KD_WGMMA_M64N32_RS
 #undef KD_ACC8
-#undef KD_ACC16
-#undef KD_ACC64
-#undef KD_ACC16_ASM
+#undef KD_ACC32
+#undef KD_REGS16
+#undef KD_REGS128
 #undef KD_WGMMA_M64N256
 
 #endif  // sm_90a
