@@ -94,10 +94,6 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[128], uint64_t a, uint64_t b
 }
 #undef KD_WGMMA_M64N32
 #undef KD_WGMMA_M64N32_RS
-#undef KD_ACC8
-#undef KD_ACC32
-#undef KD_REGS16
-#undef KD_REGS128
 #undef KD_WGMMA_M64N256
 
 #endif  // sm_90a

@@ -97,8 +97,9 @@ __device__ __forceinline__ bool start_segments(const VerifyParams<T>& p, Segment
   return true;
 }
 
-// Accumulator operands: KD_ACC8(i) binds d[i .. i+7], KD_ACC32(i) d[i .. i+31]; the asm strings
-// name them from %0 on, KD_REGS16 / 32 / 128 as the wgmma's first 16, 32 or 128 operands.
+// wgmma accumulator operands, for the Hopper kernels' wrappers (left defined): KD_ACC8(i) binds
+// d[i .. i+7], KD_ACC32(i) d[i .. i+31]; the asm strings name them from %0 on, KD_REGS16 / 32 /
+// 128 as the wgmma's first 16, 32 or 128 operands.
 #define KD_ACC8(i)                                                                                   \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]),        \
       "+f"(d[i + 6]), "+f"(d[i + 7])

@@ -112,10 +112,6 @@ __device__ __forceinline__ void wgmma_pv_ss(float (&d)[128], uint64_t a, uint64_
   if constexpr (std::is_same_v<T, __nv_bfloat16>) KD_WGMMA_PV_SS("bf16");
   else KD_WGMMA_PV_SS("f16");
 }
-#undef KD_ACC8
-#undef KD_ACC32
-#undef KD_REGS32
-#undef KD_REGS128
 #undef KD_WGMMA_QK
 #undef KD_WGMMA_PV_RS
 #undef KD_WGMMA_PV_SS
