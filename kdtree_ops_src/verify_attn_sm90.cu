@@ -76,21 +76,18 @@ constexpr int kBarPFull = 1, kBarPEmpty = 3, kBarStats = 5, kBarLoaded = 6;
 // S (+)= Q K^T over 16 dims: A and B K-major.
 template <typename T, bool ScaleD>
 __device__ __forceinline__ void wgmma_qk(float (&d)[16], uint64_t a, uint64_t b) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) KD_WGMMA_M64N32("bf16");
-  else KD_WGMMA_M64N32("f16");
+  KD_WGMMA_OF(T, KD_WGMMA_M64N32);
 }
 // The same with Q's 16 dims from registers (mma m16n8k16 A-fragment layout per warp): only
 // K is read from shared memory.
 template <typename T, bool ScaleD>
 __device__ __forceinline__ void wgmma_qk_rs(float (&d)[16], const uint32_t (&a)[4], uint64_t b) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) KD_WGMMA_M64N32_RS("bf16");
-  else KD_WGMMA_M64N32_RS("f16");
+  KD_WGMMA_OF(T, KD_WGMMA_M64N32_RS);
 }
 // O += P V over 16 keys: P K-major, V MN-major (the transpose bit).
 template <typename T, bool ScaleD = true>
 __device__ __forceinline__ void wgmma_pv(float (&d)[128], uint64_t a, uint64_t b) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) KD_WGMMA_M64N256("bf16");
-  else KD_WGMMA_M64N256("f16");
+  KD_WGMMA_OF(T, KD_WGMMA_M64N256);
 }
 #undef KD_WGMMA_M64N32
 #undef KD_WGMMA_M64N32_RS

@@ -116,6 +116,10 @@ __device__ __forceinline__ bool start_segments(const VerifyParams<T>& p, Segment
   "%78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, "  \
   "%97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, "    \
   "%113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+// A wrapper's body: the wgmma macro WGMMA (its asm statement, the type as a string) for T.
+#define KD_WGMMA_OF(T, WGMMA)                                                                        \
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) WGMMA("bf16");                                     \
+  else WGMMA("f16")
 
 }  // namespace kdtree
 #endif

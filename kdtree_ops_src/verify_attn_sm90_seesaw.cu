@@ -97,20 +97,17 @@ constexpr int kBarRun = 7;
 // S (+)= Q K^T over 16 dims: 64 rows x 64 keys, Q and K K-major.
 template <typename T, bool Accumulate>
 __device__ __forceinline__ void wgmma_qk(float (&d)[32], uint64_t a, uint64_t b) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) KD_WGMMA_QK("bf16");
-  else KD_WGMMA_QK("f16");
+  KD_WGMMA_OF(T, KD_WGMMA_QK);
 }
 // O += P V over 16 keys, P from registers (the S accumulator layout is wgmma's A layout).
 template <typename T>
 __device__ __forceinline__ void wgmma_pv_rs(float (&d)[128], const uint32_t* a, uint64_t b) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) KD_WGMMA_PV_RS("bf16");
-  else KD_WGMMA_PV_RS("f16");
+  KD_WGMMA_OF(T, KD_WGMMA_PV_RS);
 }
 // O += P V over 16 keys, P from shared memory (the other consumer's tile).
 template <typename T>
 __device__ __forceinline__ void wgmma_pv_ss(float (&d)[128], uint64_t a, uint64_t b) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) KD_WGMMA_PV_SS("bf16");
-  else KD_WGMMA_PV_SS("f16");
+  KD_WGMMA_OF(T, KD_WGMMA_PV_SS);
 }
 #undef KD_WGMMA_QK
 #undef KD_WGMMA_PV_RS
