@@ -337,6 +337,12 @@ inline int num_sms(const at::Tensor& on) {
   return sms;
 }
 
+inline int compute_major(const at::Tensor& on) {
+  int major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, on.get_device()));
+  return major;
+}
+
 inline unsigned ceil_div(int64_t a, int64_t b) { return static_cast<unsigned>((a + b - 1) / b); }
 
 template <typename T> struct Vec;  // 16-byte vector of T and its float conversions

@@ -184,6 +184,12 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
   };
   if (warp == 0) find_segment(nullptr);
   __syncthreads();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // The split merge, launched behind this kernel as a programmatic dependent (sm_90+), may
+  // start once every CTA has passed here: its blocks take SMs as these CTAs retire and wait
+  // on the device for the whole grid (a no-op after an ordinary launch).
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
 
   // Warp w copies rows [w * n, w * n + n) of a tile, four at a time: lane (lane / 8, lane % 8)
   // takes 16-byte chunks lane % 8, + 8, ..., + 64 of row 4 i + lane / 8, so a row costs its
@@ -618,8 +624,8 @@ __global__ void __launch_bounds__(128) merge_splits_kernel(const VerifyParams<T>
   const int tid = threadIdx.x, parts = gridDim.y;
   const int stream_lanes = 128 / parts, stream = tid / stream_lanes;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // Launched behind the seesaw kernel as a programmatic dependent: its partials are complete
-  // and visible only after this (a no-op after an ordinary launch).
+  // Launched behind the seesaw or portable kernel as a programmatic dependent: its partials
+  // are complete and visible only after this (a no-op after an ordinary launch).
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
   // Partial s of this row is partial row first + s * step (+ tail for s = 0), if it was
@@ -1034,9 +1040,9 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
       launch_verify_attn_sm90(which, p, idx32, boxes, grid, current_stream());
     }
     if (merge) {
-      // Behind the seesaw kernel, a programmatic dependent launch: the merge's blocks start
-      // as that kernel's CTAs retire and wait on the device (griddepcontrol.wait) for all of
-      // it, instead of the host-side gap between two launches.
+      // Behind the seesaw and portable kernels (sm_90+), a programmatic dependent launch: the
+      // merge's blocks start as that kernel's CTAs retire and wait on the device
+      // (griddepcontrol.wait) for all of it, instead of the host-side gap between two launches.
       cudaLaunchAttribute pdl{};
       pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
       pdl.val.programmaticStreamSerializationAllowed = 1;
@@ -1048,7 +1054,7 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
       cfg.blockDim = dim3(128);
       cfg.stream = current_stream();
       cfg.attrs = &pdl;
-      cfg.numAttrs = seesaw_merge ? 1 : 0;
+      cfg.numAttrs = seesaw_merge || (which == VerifyKernel::kPortable && compute_major(q) >= 9) ? 1 : 0;
       auto merge_kernel = with_flag(balanced, [](auto b) { return merge_splits_kernel<T_, decltype(b)::value>; });
       C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, merge_kernel, p));
     }
