@@ -1054,7 +1054,9 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
       cfg.blockDim = dim3(128);
       cfg.stream = current_stream();
       cfg.attrs = &pdl;
-      cfg.numAttrs = seesaw_merge || (which == VerifyKernel::kPortable && compute_major(q) >= 9) ? 1 : 0;
+      // The kernels that signal the merge (griddepcontrol.launch_dependents): kWgmma does not.
+      const bool signalled = seesaw_merge || (which == VerifyKernel::kPortable && compute_major(q) >= 9);
+      cfg.numAttrs = signalled ? 1 : 0;
       auto merge_kernel = with_flag(balanced, [](auto b) { return merge_splits_kernel<T_, decltype(b)::value>; });
       C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, merge_kernel, p));
     }

@@ -458,10 +458,10 @@ template <typename I32> using SlotIndex = std::conditional_t<I32::value, int32_t
 
 // The kernel that serves verify_attn on grid (row tiles, splits).
 enum class VerifyKernel {
-  kPortable,  // verify_attn.cu, mma.sync: every GPU but sm_90
-  kWgmma,     // verify_attn_sm90.cu
-  kSeesaw,    // verify_attn_sm90_seesaw.cu; lets the split merge start early (programmatic
-              // dependent launch)
+  kPortable,  // verify_attn.cu, mma.sync: every GPU but sm_90; on sm_90+ lets the split merge
+              // start early (programmatic dependent launch)
+  kWgmma,     // verify_attn_sm90.cu; the merge an ordinary launch behind it
+  kSeesaw,    // verify_attn_sm90_seesaw.cu; lets the split merge start early, as kPortable
   kFp8,       // verify_attn_sm90_fp8.cu: fp8 pools, in kFp8CtaRows-row CTAs; the merge as kSeesaw
 };
 // Rows per CTA of the kFp8 kernel (its wgmma N).
