@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
@@ -330,18 +331,26 @@ void launch_kernel_optin(void (*kernel)(Params...), dim3 grid, dim3 block, size_
   launch_kernel(kernel, grid, block, smem, std::forward<Args>(args)...);
 }
 
-inline int num_sms(const at::Tensor& on) {
-  int dev = on.get_device();
-  int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  return sms;
+// What the launchers ask of a device: asked of the driver once per device, not on every launch.
+struct DeviceFacts {
+  int sms = 0, major = 0, minor = 0;
+};
+inline DeviceFacts device_facts(int dev) {
+  auto ask = [dev] {
+    DeviceFacts f;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&f.sms, cudaDevAttrMultiProcessorCount, dev));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&f.major, cudaDevAttrComputeCapabilityMajor, dev));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&f.minor, cudaDevAttrComputeCapabilityMinor, dev));
+    return f;
+  };
+  constexpr int kMaxDevices = 64;
+  static std::once_flag once[kMaxDevices];
+  static DeviceFacts known[kMaxDevices];
+  if (dev < 0 || dev >= kMaxDevices) return ask();
+  std::call_once(once[dev], [&] { known[dev] = ask(); });
+  return known[dev];
 }
-
-inline int compute_major(const at::Tensor& on) {
-  int major = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, on.get_device()));
-  return major;
-}
+inline DeviceFacts device_facts(const at::Tensor& on) { return device_facts(on.get_device()); }
 
 inline unsigned ceil_div(int64_t a, int64_t b) { return static_cast<unsigned>((a + b - 1) / b); }
 

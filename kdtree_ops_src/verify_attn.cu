@@ -933,7 +933,8 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   // fits more CTAs on an SM (three against two on an H200; as many on sm_120), and only for
   // grids that fill those extra places: a CTA with an SM share to itself runs faster with two
   // f16 tiles (H200, 1x16x1 @128k, 256 CTAs: 0.0671 ms staged against 0.0572).
-  const int sms = num_sms(q);
+  const DeviceFacts device = device_facts(q);
+  const int sms = device.sms;
   const bool rows16 = which == VerifyKernel::kPortable && rows == Cta16::kRows;
   const int64_t per_sm16 = rows16 ? portable_ctas_per_sm<Cta16>(q) : 1;
   int64_t slots = sms * per_sm16;
@@ -1055,7 +1056,7 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
       cfg.stream = current_stream();
       cfg.attrs = &pdl;
       // The kernels that signal the merge (griddepcontrol.launch_dependents): kWgmma does not.
-      const bool signalled = seesaw_merge || (which == VerifyKernel::kPortable && compute_major(q) >= 9);
+      const bool signalled = seesaw_merge || (which == VerifyKernel::kPortable && device.major >= 9);
       cfg.numAttrs = signalled ? 1 : 0;
       auto merge_kernel = with_flag(balanced, [](auto b) { return merge_splits_kernel<T_, decltype(b)::value>; });
       C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, merge_kernel, p));

@@ -423,11 +423,10 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_sm90_kernel(const Ver
 // sm_90a (kdtree_ops builds 9.0 as sm_90a) rather than JIT-compiled from older PTX, which
 // would hold only the trap.
 bool sm90_ready() {
-  int dev = 0, major = 0, minor = 0;
+  int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-  if (major != 9 || minor != 0) return false;
+  const DeviceFacts device = device_facts(dev);
+  if (device.major != 9 || device.minor != 0) return false;
   static const bool built = [] {
     cudaFuncAttributes a{};
     if (cudaFuncGetAttributes(&a, verify_attn_sm90_kernel<__nv_bfloat16, int32_t>) != cudaSuccess) {
