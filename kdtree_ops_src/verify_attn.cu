@@ -9,9 +9,14 @@
 // (BalancedWork, verify_attn.cuh): a CTA walks one segment of keys after another, each a run
 // of one request's row tile, as its equal share of the whole batch's work.
 //
-// CTA: 8 warps, 64 rows. S = Q K^T: warp (rt = w % 4, dh = w / 4) owns rows 16*rt.. and
-// half the 576 dims, Q held in registers; the two halves are summed through shared memory.
-// O += P V: warp w owns all 64 rows x dims [64w, 64w+64). Shared memory stays under 99 KB
+// CTA: 8 warps, 64 rows, in two halves of 4 warps and 32 rows that run a tile half a tile apart
+// (ping-pong), so that one half's Q K^T (bound by shared-memory reads) issues beside the other
+// half's softmax (bound by latency) and P V (bound by the tensor pipe), where warps in lockstep
+// between CTA barriers ran each phase alone. Within a half, S = Q K^T: warp (rt, dh) owns rows
+// 16*rt.. and half the 576 dims, Q held in registers, the two halves summed through shared
+// memory; O += P V: each warp owns the half's 32 rows x 128 dims. The second half copies every
+// tile, as soon as both halves are done with the stage it lands in, and tells the first half
+// when it has landed; named barriers carry both handshakes. Shared memory stays under 99 KB
 // (sm_120) with two 32-key stages of 1,152-byte rows loaded by 16-byte cp.async.
 //
 // A request of 144 rows (16 heads x 9 nodes, DeepSeek at TP8) fills 64-row tiles to 75%; the
@@ -37,6 +42,9 @@
 namespace kdtree {
 namespace {
 
+#ifndef KD_LAND_LATE
+#define KD_LAND_LATE 0
+#endif
 constexpr int kRowBytes = kDqk * 2, kChunks = kRowBytes / 16;  // 72 16-byte chunks per row
 // Rows sit 1,168 B apart in shared memory: the extra 16 B move consecutive rows to different
 // bank groups, so the 8 rows one ldmatrix reads never conflict, and every fragment address
@@ -52,10 +60,13 @@ static_assert(kChunks % 8 == 0, "copy_rows: 8 lanes per row");
 
 // A CTA's shape: Rows (node, head) rows in 16-row tiles; S splits the 576 dims into DimParts
 // (one warp per row tile and part), O splits the 512 dims into DimGroups.
-template <int Rows, int DimParts, int DimGroups, bool Fp8Staged = false> struct Cta {
+// PingPong: two halves of the warps, each with half the row tiles and O's rows, run half a tile
+// apart; the second half copies the KV tiles.
+template <int Rows, int DimParts, int DimGroups, bool Fp8Staged = false, bool PingPong = false> struct Cta {
   static constexpr int kRows = Rows, kRowTiles = Rows / 16, kParts = DimParts;
   static constexpr int kWarps = kRowTiles * DimParts, kThreads = kWarps * 32;
-  static constexpr int kCopiers = kWarps < kCopyWarps ? kWarps : kCopyWarps;  // warps that copy a KV tile
+  static constexpr bool kPingPong = PingPong;
+  static constexpr int kCopiers = PingPong ? kWarps / 2 : kWarps < kCopyWarps ? kWarps : kCopyWarps;  // warps that copy a KV tile
   static constexpr int kCopyRows = kKeys / kCopiers;                          // its rows per copying warp
   // fp8 pools only: the e4m3 bytes of the next tile land in a stage of their own (576 B a row)
   // and are widened into the one f16 stage, which makes the CTA small enough to run three to
@@ -76,8 +87,9 @@ template <int Rows, int DimParts, int DimGroups, bool Fp8Staged = false> struct 
   static_assert(kRows * kRowPitch <= kKvBytes, "Q is staged through the KV buffers");
   static_assert(kCopyRows % 4 == 0 && kRows / kWarps % 4 == 0, "copy_rows: 4 rows x 8 lanes per pass");
   static_assert(kPartK * DimParts * 16 == kDqk && kORowTiles * kRowGroups == kRowTiles && kNT % 2 == 0);
+  static_assert(!PingPong || (kRowGroups == 2 && kRowTiles % 2 == 0 && !Fp8Staged), "ping-pong: two halves of row tiles");
 };
-using Cta64 = Cta<64, 2, 8>;
+using Cta64 = Cta<64, 2, 4, false, true>;
 using Cta48 = Cta<48, 4, 4>;
 using Cta16 = Cta<16, 4, 4>;  // requests of up to 16 rows: Cta48's warps of one row tile
 using Cta16Fp8 = Cta<16, 4, 4, true>;
@@ -164,10 +176,16 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
-  // Whether this warp copies KV tiles, and the first row it copies (and, over an fp8 pool,
-  // converts), then every 4th of its C::kCopyRows: see copy_rows.
-  const bool copier = C::kCopiers == kWarps || warp < C::kCopiers;
-  const int own_row0 = warp * C::kCopyRows + (lane >> 3);
+  // Ping-pong: this warp's half (0 leads, 1 copies the KV tiles).
+  constexpr bool kPing = C::kPingPong;
+  constexpr int kHalfWarps = kWarps / 2;
+  const int half = kPing ? warp / kHalfWarps : 0;
+  // Whether this warp copies KV tiles, its place among the copiers, and the first row it
+  // copies (and, over an fp8 pool, converts), then every 4th of its C::kCopyRows: see copy_rows.
+  const bool copier = kPing ? half == 1 : C::kCopiers == kWarps || warp < C::kCopiers;
+  const int copy_warp = kPing ? warp - kHalfWarps : warp;
+  const int own_row0 = copy_warp * C::kCopyRows + (lane >> 3);
+  const int slot_warp = kPing ? kHalfWarps : 0;  // copies the slots of the tiles ahead
 
   // ---- which request, rows and keys: warp 0 finds the CTA's segment after `prev` (null: its
   // first); one segment (its split) unless balanced ----
@@ -196,9 +214,9 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
   // lanes one address and nine copies at fixed offsets, and eight lanes read 128 contiguous
   // bytes. (One row per pass over 32 lanes spent more issue slots on addresses and predicates
   // than S = Q K^T spends on mma.) src null: zero-fill (never NaN garbage).
-  auto copy_rows = [&](uint8_t* dst, int rows_per_warp, auto src_of) {
+  auto copy_rows = [&](uint8_t* dst, int rows_per_warp, int w, auto src_of) {
     for (int i = 0; i < rows_per_warp; i += 4) {
-      const int r = warp * rows_per_warp + i + (lane >> 3);
+      const int r = w * rows_per_warp + i + (lane >> 3);
       const T* src = src_of(r);
       const uint32_t d = smem_addr(dst + r * kRowPitch) + (lane & 7) * 16;
       const T* s = src ? src + (lane & 7) * 8 : p.kv;
@@ -218,7 +236,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
     const Idx* kv_indices = static_cast<const Idx*>(p.kv_indices) + seg.kv_begin;
 
     // ---- stage Q (kRows rows x 576) through the KV buffers, then keep it in registers ----
-    copy_rows(s_kv, kRows / kWarps, [&](int r) -> const T* {
+    copy_rows(s_kv, kRows / kWarps, warp, [&](int r) -> const T* {
       const int m = row0 + r;
       if (m >= rows_b) return nullptr;
       const int node = m / p.heads, head = m - node * p.heads;
@@ -229,7 +247,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
       const bool valid = t < pre_tiles && pos < pre_end;
       cp_async_idx(smem_addr(&s_slot[t % 3][lane]), valid ? kv_indices + pos : kv_indices, valid);
     };
-    if (warp == 0) {
+    if (warp == slot_warp) {
       load_slots(0);
       load_slots(1);
     }
@@ -237,9 +255,14 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
     cp_async_wait<0>();
     __syncthreads();
 
-    // S: row tile rt, dim part dh. O: row tiles from o_tile0, dims from o_dim0.
-    const int rt = warp % kRowTiles, dh = warp / kRowTiles;
-    const int o_tile0 = warp % C::kRowGroups * kORowTiles, o_dim0 = warp / C::kRowGroups * kNT * 8;
+    // S: row tile rt, dim part dh. O: row tiles from o_tile0, dims from o_dim0. Ping-pong: the
+    // half's row tiles, its warps dividing them as a CTA of its size would.
+    constexpr int kHalfTiles = kRowTiles / 2;
+    const int hw = warp - half * kHalfWarps;
+    const int rt = kPing ? half * kHalfTiles + hw % kHalfTiles : warp % kRowTiles;
+    const int dh = kPing ? hw / kHalfTiles : warp / kRowTiles;
+    const int o_tile0 = kPing ? half * kORowTiles : warp % C::kRowGroups * kORowTiles;
+    const int o_dim0 = (kPing ? hw : warp / C::kRowGroups) * kNT * 8;
     uint32_t qf[kPartK][4];
     {
       const uint32_t q_lane = smem_addr(s_kv + (rt * 16 + (lane & 15)) * kRowPitch + (dh * kPartK * 2 + (lane >> 4)) * 16);
@@ -320,12 +343,12 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
           // a tree tile: copied in its own iteration, straight into the f16 stage
         } else if (t < pre_tiles) {
           const int first = pre_begin + t * kKeys;
-          copy_rows(s_kv + stage * kStageBytes, C::kCopyRows, [&](int k) -> const T* {
+          copy_rows(s_kv + stage * kStageBytes, C::kCopyRows, copy_warp, [&](int k) -> const T* {
             return first + k < pre_end ? p.kv + static_cast<int64_t>(checked_slot(p, slots[k], bad)) * p.kv_stride : nullptr;
           });
         } else {
           const int first = tree_begin + (t - pre_tiles) * kKeys;
-          copy_rows(s_kv + stage * kStageBytes, C::kCopyRows, [&](int k) -> const T* {
+          copy_rows(s_kv + stage * kStageBytes, C::kCopyRows, copy_warp, [&](int k) -> const T* {
             return first + k < tree_end ? p.tree_k + static_cast<int64_t>(q_begin + first + k) * p.tk_stride : nullptr;
           });
         }
@@ -393,18 +416,58 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
     float row_max = -INFINITY, row_sum = 0.f;
     const int my_row = rt * 16 + g + dh * 8;
 
-    // Pipeline: tile t+1's rows (and tile t+2's slots) load while tile t computes.
+    // fp8 pool: this thread's own copies of tile t, landed in `stage`, -> f16 in place.
+    auto own_rows_to_f16 = [&](int t, uint8_t* stage) {
+      if (Fp8 && copier && t >= pre_tiles) {
+        tree_rows_to_f16(stage);
+      } else if (Fp8 && copier) {
+        prefix_rows_to_f16(stage);
+      }
+    };
+    // Ping-pong's named barriers (0 is __syncthreads): each half's own, then by tile parity
+    // "tile landed" (the copying half arrives, the leading half waits) and "stage free" (the
+    // leading half arrives, the copying half waits).
+    constexpr int kBarHalf = 1, kBarLanded = 3, kBarFree = 5;
+    // The barrier of the warps that share S parts, P and alpha: the CTA's, or the half's.
+    auto rows_sync = [&] {
+      if constexpr (kPing) named_sync(kBarHalf + half, kHalfWarps * 32); else __syncthreads();
+    };
+    auto rows_sync_or = [&](bool v) -> bool {
+      if constexpr (kPing) return named_sync_or(kBarHalf + half, kHalfWarps * 32, v); else return __syncthreads_or(v);
+    };
+
+    // Pipeline: tile t+1's rows (and tile t+2's slots) load while tile t computes. Ping-pong:
+    // tile 0 lands for both halves here; then the copying half copies tile t+1 as soon as both
+    // halves are done with tile t-1's stage (as it starts tile t, the leading half then halfway
+    // through tile t) and tells the leading half once it has landed (halfway through its tile t,
+    // when the leading half wants tile t+1). Those two waits keep the halves half a tile apart.
     if (n_tiles > 0) load_tile(0, 0);
+    if constexpr (kPing) {
+      cp_async_wait<0>();
+      if (n_tiles > 0) own_rows_to_f16(0, s_kv);
+      __syncthreads();
+    }
     for (int t = 0; t < n_tiles; ++t) {
       const int stage = kStaged ? 0 : t & 1;
-      if constexpr (kStaged) {
+      if constexpr (kPing) {
+        if (copier) {
+          rows_sync();  // the half is done with tile t-1's stage; tile t (its own copies) visible
+          if (t + 1 < n_tiles) {
+            if (t >= 1) named_sync(kBarFree + ((t - 1) & 1), C::kThreads);  // and so is the leading half
+            if (warp == slot_warp) load_slots(t + 2);
+            load_tile(t + 1, stage ^ 1);
+          }
+        } else if (t >= 1) {
+          named_sync(kBarLanded + (t & 1), C::kThreads);
+        }
+      } else if constexpr (kStaged) {
         cp_async_wait<0>();
         __syncthreads();  // iteration t-1 finished with the f16 stage; slots(t+1) visible
         if (copier && t < pre_tiles) {
           prefix_rows_to_f16(s_kv);
         } else if (copier) {
           const int first = tree_begin + (t - pre_tiles) * kKeys;
-          copy_rows(s_kv, C::kCopyRows, [&](int k) -> const T* {
+          copy_rows(s_kv, C::kCopyRows, copy_warp, [&](int k) -> const T* {
             return first + k < tree_end ? p.tree_k + static_cast<int64_t>(q_begin + first + k) * p.tk_stride : nullptr;
           });
           cp_async_commit();
@@ -415,7 +478,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
         // (the copies are asm the compiler could otherwise move ahead of them).
         asm volatile("" ::: "memory");
         if (t + 1 < n_tiles) {
-          if (warp == 0) load_slots(t + 2);
+          if (warp == slot_warp) load_slots(t + 2);
           load_tile(t + 1, 0);
         }
         __syncthreads();  // tile t visible in f16
@@ -424,14 +487,10 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
         // fp8 pool: this thread's own copies of tile t -> f16 in place (the same chunks either
         // way), before the barrier that publishes the tile: right behind the previous tile's
         // P V mma, which run on while these conversions issue, and with no barrier of their own.
-        if (Fp8 && copier && t >= pre_tiles) {
-          tree_rows_to_f16(s_kv + stage * kStageBytes);
-        } else if (Fp8 && copier) {
-          prefix_rows_to_f16(s_kv + stage * kStageBytes);
-        }
+        own_rows_to_f16(t, s_kv + stage * kStageBytes);
         __syncthreads();  // tile t and slots(t+1) visible; iteration t-1 finished with its buffers
         if (t + 1 < n_tiles) {
-          if (warp == 0) load_slots(t + 2);
+          if (warp == slot_warp) load_slots(t + 2);
           load_tile(t + 1, stage ^ 1);
         }
       }
@@ -469,7 +528,18 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
 #pragma unroll
           for (int e = 0; e < 4; ++e) part[((2 * dh - 2 + e / 2) * 8 + j * 2 + e % 2) * 32 + lane] = s[j][e];
       }
-      __syncthreads();
+      rows_sync();
+      // Ping-pong: the copying half publishes tile t+1 to the leading half.
+      auto land_next = [&] {
+        if (kPing && copier && t + 1 < n_tiles) {
+          cp_async_wait<0>();
+          own_rows_to_f16(t + 1, s_kv + (stage ^ 1) * kStageBytes);
+          named_arrive(kBarLanded + ((t + 1) & 1), C::kThreads);
+        }
+      };
+#if !KD_LAND_LATE
+      land_next();
+#endif
 
       // ---- online softmax: the owners, 2 per row tile x (8 rows x 32 keys) ----
       bool rescaled = false;
@@ -526,8 +596,11 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
         row_sum = row_sum * alpha + sum;
         if (t4 == 0) s_alpha[my_row] = alpha;
       }
+#if KD_LAND_LATE
+      land_next();
+#endif
       // ---- O = O * alpha (only when some row's max moved) + P V, this warp's rows and dims ----
-      if (__syncthreads_or(rescaled)) {
+      if (rows_sync_or(rescaled)) {
 #pragma unroll
         for (int i = 0; i < kORowTiles; ++i) {
           const float a0 = s_alpha[(o_tile0 + i) * 16 + g], a1 = s_alpha[(o_tile0 + i) * 16 + g + 8];
@@ -556,11 +629,18 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
           }
         }
       }
+      if constexpr (kPing) {
+        if (!copier && t + 2 < n_tiles) named_arrive(kBarFree + (t & 1), C::kThreads);
+      }
     }
 
     // ---- finish: share each row's max and sum, normalise, write ----
     // The last tile's PV has read s_alpha; did any warp meet a slot outside kv_cache?
     const bool malformed = b == kMalformedBatch;  // rows to write NaN, no keys (find_row_tile)
+    // Read again rather than held in registers through the tiles; before the barrier past
+    // which warp 0 may write the next segment.
+    const bool direct = s_seg.direct;
+    const int64_t part = s_seg.part;
     const bool slot_cta = __syncthreads_or(bad), range_cta = Fp8 && __syncthreads_or(range_bad);
     const bool bad_cta = slot_cta || range_cta || malformed;
     if (owner && t4 == 0) {
@@ -573,32 +653,35 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
 #pragma unroll
     for (int i = 0; i < kORowTiles; ++i)
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = (o_tile0 + i) * 16 + g + half * 8, m = row0 + r;
+      for (int up = 0; up < 2; ++up) {
+        const int r = (o_tile0 + i) * 16 + g + up * 8, m = row0 + r;
         if (m >= rows_b) continue;
         const float l = s_l[r];
         const float inv = bad_cta ? kNaN : l > 0.f ? k_scale / l : 0.f;
         const float lse = bad_cta ? kNaN : l > 0.f ? (s_alpha[r] + __log2f(l)) * 0.69314718055994531f : -INFINITY;
         const int node = m / p.heads, head = m - node * p.heads;
-        if (seg.direct) {
+        if (direct) {
           T* dst = p.out + (q_begin + node) * p.out_st + head * p.out_sh + o_dim0 + t4 * 2;
 #pragma unroll
           for (int j = 0; j < kNT; ++j)
             *reinterpret_cast<uint32_t*>(dst + j * 8) =
-                pack2<T>(o[i][j][half * 2] * inv, o[i][j][half * 2 + 1] * inv);
+                pack2<T>(o[i][j][up * 2] * inv, o[i][j][up * 2 + 1] * inv);
           if (o_dim0 == 0 && t4 == 0) p.lse[(q_begin + node) * p.lse_st + head * p.lse_sh] = lse;
         } else {
-          float* dst = p.part_o + (seg.part + r) * kDv + o_dim0 + t4 * 2;
+          float* dst = p.part_o + (part + r) * kDv + o_dim0 + t4 * 2;
 #pragma unroll
           for (int j = 0; j < kNT; ++j)
             *reinterpret_cast<float2*>(dst + j * 8) =
-                make_float2(o[i][j][half * 2] * inv, o[i][j][half * 2 + 1] * inv);
-          if (o_dim0 == 0 && t4 == 0) p.part_lse[seg.part + r] = lse;
+                make_float2(o[i][j][up * 2] * inv, o[i][j][up * 2 + 1] * inv);
+          if (o_dim0 == 0 && t4 == 0) p.part_lse[part + r] = lse;
         }
       }
     if constexpr (!Balanced) break;
     // The next segment, once every warp is past this one's epilogue (s_alpha, s_l, the stages).
-    if (warp == 0) find_segment(&seg);
+    if (warp == 0) {
+      const Segment done = s_seg;
+      find_segment(&done);
+    }
     __syncthreads();
     seg = s_seg;
   }
