@@ -42,9 +42,6 @@
 namespace kdtree {
 namespace {
 
-#ifndef KD_LAND_LATE
-#define KD_LAND_LATE 0
-#endif
 constexpr int kRowBytes = kDqk * 2, kChunks = kRowBytes / 16;  // 72 16-byte chunks per row
 // Rows sit 1,168 B apart in shared memory: the extra 16 B move consecutive rows to different
 // bank groups, so the 8 rows one ldmatrix reads never conflict, and every fragment address
@@ -529,17 +526,6 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
           for (int e = 0; e < 4; ++e) part[((2 * dh - 2 + e / 2) * 8 + j * 2 + e % 2) * 32 + lane] = s[j][e];
       }
       rows_sync();
-      // Ping-pong: the copying half publishes tile t+1 to the leading half.
-      auto land_next = [&] {
-        if (kPing && copier && t + 1 < n_tiles) {
-          cp_async_wait<0>();
-          own_rows_to_f16(t + 1, s_kv + (stage ^ 1) * kStageBytes);
-          named_arrive(kBarLanded + ((t + 1) & 1), C::kThreads);
-        }
-      };
-#if !KD_LAND_LATE
-      land_next();
-#endif
 
       // ---- online softmax: the owners, 2 per row tile x (8 rows x 32 keys) ----
       bool rescaled = false;
@@ -596,9 +582,15 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
         row_sum = row_sum * alpha + sum;
         if (t4 == 0) s_alpha[my_row] = alpha;
       }
-#if KD_LAND_LATE
-      land_next();
-#endif
+      // Ping-pong: the copying half publishes tile t+1 to the leading half, past its softmax
+      // (its S values dead, so fp8 widening finds registers free).
+      if constexpr (kPing) {
+        if (copier && t + 1 < n_tiles) {
+          cp_async_wait<0>();
+          own_rows_to_f16(t + 1, s_kv + (stage ^ 1) * kStageBytes);
+          named_arrive(kBarLanded + ((t + 1) & 1), C::kThreads);
+        }
+      }
       // ---- O = O * alpha (only when some row's max moved) + P V, this warp's rows and dims ----
       if (rows_sync_or(rescaled)) {
 #pragma unroll
