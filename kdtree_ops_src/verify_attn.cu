@@ -629,10 +629,10 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
     // ---- finish: share each row's max and sum, normalise, write ----
     // The last tile's PV has read s_alpha; did any warp meet a slot outside kv_cache?
     const bool malformed = b == kMalformedBatch;  // rows to write NaN, no keys (find_row_tile)
-    // Read again rather than held in registers through the tiles; before the barrier past
-    // which warp 0 may write the next segment.
-    const bool direct = s_seg.direct;
-    const int64_t part = s_seg.part;
+    // The ping-pong CTA reads these again rather than holding them through the tiles, where
+    // its registers are fuller; before the barrier past which warp 0 may write the next segment.
+    const bool direct = kPing ? s_seg.direct : seg.direct;
+    const int64_t part = kPing ? s_seg.part : seg.part;
     const bool slot_cta = __syncthreads_or(bad), range_cta = Fp8 && __syncthreads_or(range_bad);
     const bool bad_cta = slot_cta || range_cta || malformed;
     if (owner && t4 == 0) {
@@ -671,7 +671,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
     if constexpr (!Balanced) break;
     // The next segment, once every warp is past this one's epilogue (s_alpha, s_l, the stages).
     if (warp == 0) {
-      const Segment done = s_seg;
+      const Segment done = kPing ? s_seg : seg;
       find_segment(&done);
     }
     __syncthreads();
