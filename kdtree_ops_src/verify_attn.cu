@@ -259,7 +259,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
     const int rt = kPing ? half * kHalfTiles + hw % kHalfTiles : warp % kRowTiles;
     const int dh = kPing ? hw / kHalfTiles : warp / kRowTiles;
     const int o_tile0 = kPing ? half * kORowTiles : warp % C::kRowGroups * kORowTiles;
-    const int o_dim0 = (kPing ? hw : warp / C::kRowGroups) * kNT * 8;
+    const int o_dim0 = kPing ? hw * kNT * 8 : warp / C::kRowGroups * kNT * 8;
     uint32_t qf[kPartK][4];
     {
       const uint32_t q_lane = smem_addr(s_kv + (rt * 16 + (lane & 15)) * kRowPitch + (dh * kPartK * 2 + (lane >> 4)) * 16);
@@ -413,12 +413,13 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
     float row_max = -INFINITY, row_sum = 0.f;
     const int my_row = rt * 16 + g + dh * 8;
 
-    // fp8 pool: this thread's own copies of tile t, landed in `stage`, -> f16 in place.
-    auto own_rows_to_f16 = [&](int t, uint8_t* stage) {
+    // Ping-pong, fp8 pool: this thread's own copies of tile t, landed in stage `stage`, -> f16
+    // in place.
+    auto own_rows_to_f16 = [&](int t, int stage) {
       if (Fp8 && copier && t >= pre_tiles) {
-        tree_rows_to_f16(stage);
+        tree_rows_to_f16(s_kv + stage * kStageBytes);
       } else if (Fp8 && copier) {
-        prefix_rows_to_f16(stage);
+        prefix_rows_to_f16(s_kv + stage * kStageBytes);
       }
     };
     // Ping-pong's named barriers (0 is __syncthreads): each half's own, then by tile parity
@@ -429,8 +430,9 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
     auto rows_sync = [&] {
       if constexpr (kPing) named_sync(kBarHalf + half, kHalfWarps * 32); else __syncthreads();
     };
-    auto rows_sync_or = [&](bool v) -> bool {
-      if constexpr (kPing) return named_sync_or(kBarHalf + half, kHalfWarps * 32, v); else return __syncthreads_or(v);
+    // (int in and out, as __syncthreads_or: the lockstep CTAs compile as they did without it)
+    auto rows_sync_or = [&](int v) -> int {
+      if constexpr (kPing) return named_sync_or(kBarHalf + half, kHalfWarps * 32, v != 0); else return __syncthreads_or(v);
     };
 
     // Pipeline: tile t+1's rows (and tile t+2's slots) load while tile t computes. Ping-pong:
@@ -441,7 +443,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
     if (n_tiles > 0) load_tile(0, 0);
     if constexpr (kPing) {
       cp_async_wait<0>();
-      if (n_tiles > 0) own_rows_to_f16(0, s_kv);
+      if (n_tiles > 0) own_rows_to_f16(0, 0);
       __syncthreads();
     }
     for (int t = 0; t < n_tiles; ++t) {
@@ -484,7 +486,12 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
         // fp8 pool: this thread's own copies of tile t -> f16 in place (the same chunks either
         // way), before the barrier that publishes the tile: right behind the previous tile's
         // P V mma, which run on while these conversions issue, and with no barrier of their own.
-        own_rows_to_f16(t, s_kv + stage * kStageBytes);
+        // (Written out rather than through own_rows_to_f16, which compiles differently here.)
+        if (Fp8 && copier && t >= pre_tiles) {
+          tree_rows_to_f16(s_kv + stage * kStageBytes);
+        } else if (Fp8 && copier) {
+          prefix_rows_to_f16(s_kv + stage * kStageBytes);
+        }
         __syncthreads();  // tile t and slots(t+1) visible; iteration t-1 finished with its buffers
         if (t + 1 < n_tiles) {
           if (warp == slot_warp) load_slots(t + 2);
@@ -587,7 +594,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
       if constexpr (kPing) {
         if (copier && t + 1 < n_tiles) {
           cp_async_wait<0>();
-          own_rows_to_f16(t + 1, s_kv + (stage ^ 1) * kStageBytes);
+          own_rows_to_f16(t + 1, stage ^ 1);
           named_arrive(kBarLanded + ((t + 1) & 1), C::kThreads);
         }
       }
@@ -671,8 +678,12 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
     if constexpr (!Balanced) break;
     // The next segment, once every warp is past this one's epilogue (s_alpha, s_l, the stages).
     if (warp == 0) {
-      const Segment done = kPing ? s_seg : seg;
-      find_segment(&done);
+      if constexpr (kPing) {
+        const Segment done = s_seg;  // not held in registers: see the epilogue
+        find_segment(&done);
+      } else {
+        find_segment(&seg);
+      }
     }
     __syncthreads();
     seg = s_seg;
