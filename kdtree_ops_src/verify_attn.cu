@@ -298,6 +298,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
     }
     const float score_scale = Fp8 ? p.scale_log2 * (k_scale / q_factor) : p.scale_log2;
     const float tree_to_pool = 1.f / k_scale;  // fp8: tree rows into the pool's units
+    __shared__ float s_to_pool;
+    if (kPing && Fp8 && tid == 0) s_to_pool = tree_to_pool;
 
     bool bad = false;  // met a prefix slot outside kv_cache (checked_slot)
     // Staged CTA: the first stage holds the f16 tile the mma read; behind it the next tile's e4m3
@@ -356,13 +358,15 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
     // fp8 pool: this thread's chunks of a tree tile's rows (q's dtype, the pool's units times
     // k_scale), landed in `stage`, into f16 in the pool's units.
     auto tree_rows_to_f16 = [&](uint8_t* stage) {
+      // The ping-pong CTA keeps 1 / k_scale in shared memory rather than a register.
+      const float to_pool = kPing ? s_to_pool : tree_to_pool;
 #pragma unroll
       for (int i = 0; i < C::kCopyRows; i += 4) {
         uint8_t* row = stage + (own_row0 + i) * kRowPitch + (lane & 7) * 16;
 #pragma unroll
         for (int c = 0; c < kChunks / 8; ++c)
           *reinterpret_cast<uint4*>(row + c * 128) =
-              to_f16x8<T>(*reinterpret_cast<const uint4*>(row + c * 128), tree_to_pool, range_bad);
+              to_f16x8<T>(*reinterpret_cast<const uint4*>(row + c * 128), to_pool, range_bad);
       }
     };
 
