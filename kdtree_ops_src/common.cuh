@@ -331,24 +331,30 @@ void launch_kernel_optin(void (*kernel)(Params...), dim3 grid, dim3 block, size_
   launch_kernel(kernel, grid, block, smem, std::forward<Args>(args)...);
 }
 
+// ask() for device `dev`, asked once per device and kept: a store per call site (each lambda
+// is a type of its own). Thread-safe; an ask that throws is asked again next time.
+template <typename Ask>
+auto once_per_device(int dev, Ask ask) -> decltype(ask()) {
+  constexpr int kMaxDevices = 64;
+  static std::once_flag once[kMaxDevices];
+  static decltype(ask()) known[kMaxDevices];
+  if (dev < 0 || dev >= kMaxDevices) return ask();
+  std::call_once(once[dev], [&] { known[dev] = ask(); });
+  return known[dev];
+}
+
 // What the launchers ask of a device: asked of the driver once per device, not on every launch.
 struct DeviceFacts {
   int sms = 0, major = 0, minor = 0;
 };
 inline DeviceFacts device_facts(int dev) {
-  auto ask = [dev] {
+  return once_per_device(dev, [dev] {
     DeviceFacts f;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&f.sms, cudaDevAttrMultiProcessorCount, dev));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&f.major, cudaDevAttrComputeCapabilityMajor, dev));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&f.minor, cudaDevAttrComputeCapabilityMinor, dev));
     return f;
-  };
-  constexpr int kMaxDevices = 64;
-  static std::once_flag once[kMaxDevices];
-  static DeviceFacts known[kMaxDevices];
-  if (dev < 0 || dev >= kMaxDevices) return ask();
-  std::call_once(once[dev], [&] { known[dev] = ask(); });
-  return known[dev];
+  });
 }
 inline DeviceFacts device_facts(const at::Tensor& on) { return device_facts(on.get_device()); }
 

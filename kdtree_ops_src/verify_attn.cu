@@ -36,7 +36,6 @@
 #include "verify_attn.cuh"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 
 namespace kdtree {
@@ -853,21 +852,17 @@ int portable_rows(int64_t T, int64_t H, int64_t batch) {
 // graph-capturable.
 template <typename C>
 int64_t portable_ctas_per_sm(const at::Tensor& on) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> known[kMaxDevices] = {};
-  const int dev = on.get_device();
-  if (dev < kMaxDevices && known[dev] > 0) return known[dev];
-  int ctas = INT32_MAX;
-  for (auto kernel : {verify_attn_kernel<C, __nv_bfloat16, int64_t, true, false>,
-                      verify_attn_kernel<C, __nv_bfloat16, int64_t, true, true>}) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
-    int fit = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, C::kThreads, C::kSmemBytes));
-    ctas = std::min(ctas, fit);
-  }
-  ctas = std::max(ctas, 1);
-  if (dev < kMaxDevices) known[dev] = ctas;
-  return ctas;
+  return once_per_device(on.get_device(), [] {
+    int ctas = INT32_MAX;
+    for (auto kernel : {verify_attn_kernel<C, __nv_bfloat16, int64_t, true, false>,
+                        verify_attn_kernel<C, __nv_bfloat16, int64_t, true, true>}) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
+      int fit = 0;
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, C::kThreads, C::kSmemBytes));
+      ctas = std::min(ctas, fit);
+    }
+    return int64_t{std::max(ctas, 1)};
+  });
 }
 
 template <typename C, typename T>
