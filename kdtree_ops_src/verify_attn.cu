@@ -85,7 +85,11 @@ template <int Rows, int DimParts, int DimGroups, bool Fp8Staged = false, bool Pi
   static_assert(kPartK * DimParts * 16 == kDqk && kORowTiles * kRowGroups == kRowTiles && kNT % 2 == 0);
   static_assert(!PingPong || (kRowGroups == 2 && kRowTiles % 2 == 0 && !Fp8Staged), "ping-pong: two halves of row tiles");
 };
+// 64-row tiles: the ping-pong CTA over 16-bit pools. Over an fp8 pool its copying half would
+// also widen every tile's bytes alone, and it ran slower than the lockstep CTA, whose eight
+// warps share that (H100, KDTREE_VERIFY_WGMMA=0, 1x128x9 @128k: 1.438 against 1.371 ms).
 using Cta64 = Cta<64, 2, 4, false, true>;
+using Cta64Fp8 = Cta<64, 2, 8>;
 using Cta48 = Cta<48, 4, 4>;
 using Cta16 = Cta<16, 4, 4>;  // requests of up to 16 rows: Cta48's warps of one row tile
 using Cta16Fp8 = Cta<16, 4, 4, true>;
@@ -165,6 +169,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
   float* s_l = s_alpha + kRows;                                                        // [kRows]
   __shared__ Segment s_seg;
   static_assert(Fp8 || !C::kFp8Staged, "a staged CTA reads fp8 pools only");
+  static_assert(!Fp8 || !C::kPingPong, "the ping-pong CTA reads 16-bit pools only");
   constexpr bool kStaged = C::kFp8Staged;
   // Prefix slots of the next tiles, copied in by cp.async one tile ahead of the KV rows they
   // address, so issuing a tile's loads never waits on an index load from memory.
@@ -179,9 +184,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
   // Whether this warp copies KV tiles, its place among the copiers, and the first row it
   // copies (and, over an fp8 pool, converts), then every 4th of its C::kCopyRows: see copy_rows.
   const bool copier = kPing ? half == 1 : C::kCopiers == kWarps || warp < C::kCopiers;
-  const int copy_warp = kPing ? warp - kHalfWarps : warp;
-  const int own_row0 = copy_warp * C::kCopyRows + (lane >> 3);
-  const int slot_warp = kPing ? kHalfWarps : 0;  // copies the slots of the tiles ahead
+  constexpr int kFirstCopier = kPing ? kHalfWarps : 0;  // also copies the slots of the tiles ahead
+  const int own_row0 = (warp - kFirstCopier) * C::kCopyRows + (lane >> 3);
 
   // ---- which request, rows and keys: warp 0 finds the CTA's segment after `prev` (null: its
   // first); one segment (its split) unless balanced ----
@@ -205,14 +209,15 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 
-  // Warp w copies rows [w * n, w * n + n) of a tile, four at a time: lane (lane / 8, lane % 8)
+  // Warp first_warp + w copies rows [w * n, w * n + n) of a tile, four at a time: lane (lane / 8, lane % 8)
   // takes 16-byte chunks lane % 8, + 8, ..., + 64 of row 4 i + lane / 8, so a row costs its
   // lanes one address and nine copies at fixed offsets, and eight lanes read 128 contiguous
   // bytes. (One row per pass over 32 lanes spent more issue slots on addresses and predicates
   // than S = Q K^T spends on mma.) src null: zero-fill (never NaN garbage).
-  auto copy_rows = [&](uint8_t* dst, int rows_per_warp, int w, auto src_of) {
+  // (first_warp a constant: the lockstep CTAs' copies then compile as with w = warp.)
+  auto copy_rows = [&](uint8_t* dst, int rows_per_warp, int first_warp, auto src_of) {
     for (int i = 0; i < rows_per_warp; i += 4) {
-      const int r = w * rows_per_warp + i + (lane >> 3);
+      const int r = (warp - first_warp) * rows_per_warp + i + (lane >> 3);
       const T* src = src_of(r);
       const uint32_t d = smem_addr(dst + r * kRowPitch) + (lane & 7) * 16;
       const T* s = src ? src + (lane & 7) * 8 : p.kv;
@@ -232,7 +237,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
     const Idx* kv_indices = static_cast<const Idx*>(p.kv_indices) + seg.kv_begin;
 
     // ---- stage Q (kRows rows x 576) through the KV buffers, then keep it in registers ----
-    copy_rows(s_kv, kRows / kWarps, warp, [&](int r) -> const T* {
+    copy_rows(s_kv, kRows / kWarps, 0, [&](int r) -> const T* {
       const int m = row0 + r;
       if (m >= rows_b) return nullptr;
       const int node = m / p.heads, head = m - node * p.heads;
@@ -243,7 +248,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
       const bool valid = t < pre_tiles && pos < pre_end;
       cp_async_idx(smem_addr(&s_slot[t % 3][lane]), valid ? kv_indices + pos : kv_indices, valid);
     };
-    if (warp == slot_warp) {
+    if (warp == kFirstCopier) {
       load_slots(0);
       load_slots(1);
     }
@@ -297,8 +302,6 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
     }
     const float score_scale = Fp8 ? p.scale_log2 * (k_scale / q_factor) : p.scale_log2;
     const float tree_to_pool = 1.f / k_scale;  // fp8: tree rows into the pool's units
-    __shared__ float s_to_pool;
-    if (kPing && Fp8 && tid == 0) s_to_pool = tree_to_pool;
 
     bool bad = false;  // met a prefix slot outside kv_cache (checked_slot)
     // Staged CTA: the first stage holds the f16 tile the mma read; behind it the next tile's e4m3
@@ -341,12 +344,12 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
           // a tree tile: copied in its own iteration, straight into the f16 stage
         } else if (t < pre_tiles) {
           const int first = pre_begin + t * kKeys;
-          copy_rows(s_kv + stage * kStageBytes, C::kCopyRows, copy_warp, [&](int k) -> const T* {
+          copy_rows(s_kv + stage * kStageBytes, C::kCopyRows, kFirstCopier, [&](int k) -> const T* {
             return first + k < pre_end ? p.kv + static_cast<int64_t>(checked_slot(p, slots[k], bad)) * p.kv_stride : nullptr;
           });
         } else {
           const int first = tree_begin + (t - pre_tiles) * kKeys;
-          copy_rows(s_kv + stage * kStageBytes, C::kCopyRows, copy_warp, [&](int k) -> const T* {
+          copy_rows(s_kv + stage * kStageBytes, C::kCopyRows, kFirstCopier, [&](int k) -> const T* {
             return first + k < tree_end ? p.tree_k + static_cast<int64_t>(q_begin + first + k) * p.tk_stride : nullptr;
           });
         }
@@ -357,15 +360,13 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
     // fp8 pool: this thread's chunks of a tree tile's rows (q's dtype, the pool's units times
     // k_scale), landed in `stage`, into f16 in the pool's units.
     auto tree_rows_to_f16 = [&](uint8_t* stage) {
-      // The ping-pong CTA keeps 1 / k_scale in shared memory rather than a register.
-      const float to_pool = kPing ? s_to_pool : tree_to_pool;
 #pragma unroll
       for (int i = 0; i < C::kCopyRows; i += 4) {
         uint8_t* row = stage + (own_row0 + i) * kRowPitch + (lane & 7) * 16;
 #pragma unroll
         for (int c = 0; c < kChunks / 8; ++c)
           *reinterpret_cast<uint4*>(row + c * 128) =
-              to_f16x8<T>(*reinterpret_cast<const uint4*>(row + c * 128), to_pool, range_bad);
+              to_f16x8<T>(*reinterpret_cast<const uint4*>(row + c * 128), tree_to_pool, range_bad);
       }
     };
 
@@ -416,15 +417,6 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
     float row_max = -INFINITY, row_sum = 0.f;
     const int my_row = rt * 16 + g + dh * 8;
 
-    // Ping-pong, fp8 pool: this thread's own copies of tile t, landed in stage `stage`, -> f16
-    // in place.
-    auto own_rows_to_f16 = [&](int t, int stage) {
-      if (Fp8 && copier && t >= pre_tiles) {
-        tree_rows_to_f16(s_kv + stage * kStageBytes);
-      } else if (Fp8 && copier) {
-        prefix_rows_to_f16(s_kv + stage * kStageBytes);
-      }
-    };
     // Ping-pong's named barriers (0 is __syncthreads): each half's own, then by tile parity
     // "tile landed" (the copying half arrives, the leading half waits) and "stage free" (the
     // leading half arrives, the copying half waits).
@@ -446,7 +438,6 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
     if (n_tiles > 0) load_tile(0, 0);
     if constexpr (kPing) {
       cp_async_wait<0>();
-      if (n_tiles > 0) own_rows_to_f16(0, 0);
       __syncthreads();
     }
     for (int t = 0; t < n_tiles; ++t) {
@@ -456,7 +447,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
           rows_sync();  // the half is done with tile t-1's stage; tile t (its own copies) visible
           if (t + 1 < n_tiles) {
             if (t >= 1) named_sync(kBarFree + ((t - 1) & 1), C::kThreads);  // and so is the leading half
-            if (warp == slot_warp) load_slots(t + 2);
+            if (warp == kFirstCopier) load_slots(t + 2);
             load_tile(t + 1, stage ^ 1);
           }
         } else if (t >= 1) {
@@ -469,7 +460,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
           prefix_rows_to_f16(s_kv);
         } else if (copier) {
           const int first = tree_begin + (t - pre_tiles) * kKeys;
-          copy_rows(s_kv, C::kCopyRows, copy_warp, [&](int k) -> const T* {
+          copy_rows(s_kv, C::kCopyRows, kFirstCopier, [&](int k) -> const T* {
             return first + k < tree_end ? p.tree_k + static_cast<int64_t>(q_begin + first + k) * p.tk_stride : nullptr;
           });
           cp_async_commit();
@@ -480,7 +471,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
         // (the copies are asm the compiler could otherwise move ahead of them).
         asm volatile("" ::: "memory");
         if (t + 1 < n_tiles) {
-          if (warp == slot_warp) load_slots(t + 2);
+          if (warp == kFirstCopier) load_slots(t + 2);
           load_tile(t + 1, 0);
         }
         __syncthreads();  // tile t visible in f16
@@ -489,7 +480,6 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
         // fp8 pool: this thread's own copies of tile t -> f16 in place (the same chunks either
         // way), before the barrier that publishes the tile: right behind the previous tile's
         // P V mma, which run on while these conversions issue, and with no barrier of their own.
-        // (Written out rather than through own_rows_to_f16, which compiles differently here.)
         if (Fp8 && copier && t >= pre_tiles) {
           tree_rows_to_f16(s_kv + stage * kStageBytes);
         } else if (Fp8 && copier) {
@@ -497,7 +487,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
         }
         __syncthreads();  // tile t and slots(t+1) visible; iteration t-1 finished with its buffers
         if (t + 1 < n_tiles) {
-          if (warp == slot_warp) load_slots(t + 2);
+          if (warp == kFirstCopier) load_slots(t + 2);
           load_tile(t + 1, stage ^ 1);
         }
       }
@@ -592,12 +582,10 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
         row_sum = row_sum * alpha + sum;
         if (t4 == 0) s_alpha[my_row] = alpha;
       }
-      // Ping-pong: the copying half publishes tile t+1 to the leading half, past its softmax
-      // (its S values dead, so fp8 widening finds registers free).
+      // Ping-pong: the copying half publishes tile t+1 to the leading half, past its softmax.
       if constexpr (kPing) {
         if (copier && t + 1 < n_tiles) {
           cp_async_wait<0>();
-          own_rows_to_f16(t + 1, stage ^ 1);
           named_arrive(kBarLanded + ((t + 1) & 1), C::kThreads);
         }
       }
@@ -827,7 +815,10 @@ __global__ void __launch_bounds__(128) merge_splits_kernel(const VerifyParams<T>
 // so it pays only where 64-row tiles pad many rows: on an H200, requests of 144 rows (16 heads x
 // 9 nodes) ran 1.08-1.14x faster on 48-row tiles, and requests that 64-row tiles fill exactly
 // 0.58-0.90x as fast. So 48 when 64-row tiles cover at least 1.2 times the rows 48-row tiles do
-// (144 rows: 192 against 144), which also means 64-row tiles pad a fifth or more. A request of
+// (144 rows: 192 against 144), which also means 64-row tiles pad a fifth or more. Against the
+// ping-pong 64-row CTA the 144-row requests still favour 48 rows where mma.sync is slow:
+// on an H100 with every mma issued twice (sm_120's tensor rate per byte) 48-row tiles ran them
+// 1.08-1.15x faster, at the H100's own rate 0.92-0.98x as fast. A request of
 // at most 16 rows (16 heads x 1 node, 8 heads x 2) takes a 16-row CTA: any other pads two
 // thirds of its tensor-core work or more, and it still streams its keys once. Every request
 // is taken to have T / batch nodes (SGLang pads trees to one size, as the split count assumes),
@@ -865,14 +856,11 @@ int64_t portable_ctas_per_sm(const at::Tensor& on) {
   });
 }
 
-template <typename C, typename T>
-void launch_portable(const VerifyParams<T>& p, bool fp8, bool idx32, dim3 grid) {
+template <typename C, bool Fp8, typename T>
+void launch_portable(const VerifyParams<T>& p, bool idx32, dim3 grid) {
   auto kernel = with_flag(p.balanced > 0, [&](auto balanced) {
     return with_flag(idx32, [&](auto i32) {
-      using Idx = SlotIndex<decltype(i32)>;
-      constexpr bool B = decltype(balanced)::value;
-      // A staged CTA is taken for fp8 pools only: it has no 16-bit instance.
-      return fp8 ? verify_attn_kernel<C, T, Idx, true, B> : verify_attn_kernel<C, T, Idx, C::kFp8Staged, B>;
+      return verify_attn_kernel<C, T, SlotIndex<decltype(i32)>, Fp8, decltype(balanced)::value>;
     });
   });
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
@@ -1111,13 +1099,13 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
     const dim3 grid = balanced ? dim3(static_cast<unsigned>(plane_ctas), static_cast<unsigned>(planes))
                                : dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(splits));
     if (which == VerifyKernel::kPortable && rows == Cta48::kRows) {
-      launch_portable<Cta48>(p, fp8, idx32, grid);
+      fp8 ? launch_portable<Cta48, true>(p, idx32, grid) : launch_portable<Cta48, false>(p, idx32, grid);
     } else if (staged16) {
-      launch_portable<Cta16Fp8>(p, fp8, idx32, grid);
+      launch_portable<Cta16Fp8, true>(p, idx32, grid);
     } else if (rows16) {
-      launch_portable<Cta16>(p, fp8, idx32, grid);
+      fp8 ? launch_portable<Cta16, true>(p, idx32, grid) : launch_portable<Cta16, false>(p, idx32, grid);
     } else if (which == VerifyKernel::kPortable) {
-      launch_portable<Cta64>(p, fp8, idx32, grid);
+      fp8 ? launch_portable<Cta64Fp8, true>(p, idx32, grid) : launch_portable<Cta64, false>(p, idx32, grid);
     } else {
       // Tensor-map boxes pay where a CTA streams at least two tile pairs (256 keys): over one
       // (H200, 1x16x9 @4k: 32 splits of 128 keys) the instance without them ran 4-6% faster,
