@@ -1192,7 +1192,7 @@ def verify_attn_served(case, **kw):
     staged": the 16-row CTA that stages an fp8 pool's next tile as bytes)."""
     result, names = launched_kernels(lambda: kdtree_ops.verify_attn(*verify_args(case), **kw))
     served = {rows + (" staged" if staged == "true" else "")
-              for n in names for rows, staged in re.findall(r"Cta<(\d+), \d+, \d+, (true|false)>", n)}
+              for n in names for rows, staged in re.findall(r"Cta<(\d+), \d+, \d+, (true|false)(?:, (?:true|false))?>", n)}
     served |= {"seesaw" for n in names if "seesaw" in n}
     served |= {"fp8" for n in names if "verify_attn_fp8_kernel" in n}
     return result, served

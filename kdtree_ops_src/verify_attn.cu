@@ -9,9 +9,14 @@
 // (BalancedWork, verify_attn.cuh): a CTA walks one segment of keys after another, each a run
 // of one request's row tile, as its equal share of the whole batch's work.
 //
-// CTA: 8 warps, 64 rows. S = Q K^T: warp (rt = w % 4, dh = w / 4) owns rows 16*rt.. and
-// half the 576 dims, Q held in registers; the two halves are summed through shared memory.
-// O += P V: warp w owns all 64 rows x dims [64w, 64w+64). Shared memory stays under 99 KB
+// CTA: 8 warps, 64 rows, in two halves of 4 warps and 32 rows that run a tile half a tile apart
+// (ping-pong), so that one half's Q K^T (bound by shared-memory reads) issues beside the other
+// half's softmax (bound by latency) and P V (bound by the tensor pipe), where warps in lockstep
+// between CTA barriers ran each phase alone. Within a half, S = Q K^T: warp (rt, dh) owns rows
+// 16*rt.. and half the 576 dims, Q held in registers, the two halves summed through shared
+// memory; O += P V: each warp owns the half's 32 rows x 128 dims. The second half copies every
+// tile, as soon as both halves are done with the stage it lands in, and tells the first half
+// when it has landed; named barriers carry both handshakes. Shared memory stays under 99 KB
 // (sm_120) with two 32-key stages of 1,152-byte rows loaded by 16-byte cp.async.
 //
 // A request of 144 rows (16 heads x 9 nodes, DeepSeek at TP8) fills 64-row tiles to 75%; the
@@ -51,10 +56,13 @@ static_assert(kChunks % 8 == 0, "copy_rows: 8 lanes per row");
 
 // A CTA's shape: Rows (node, head) rows in 16-row tiles; S splits the 576 dims into DimParts
 // (one warp per row tile and part), O splits the 512 dims into DimGroups.
-template <int Rows, int DimParts, int DimGroups, bool Fp8Staged = false> struct Cta {
+// PingPong: two halves of the warps, each with half the row tiles and O's rows, run half a tile
+// apart; the second half copies the KV tiles.
+template <int Rows, int DimParts, int DimGroups, bool Fp8Staged = false, bool PingPong = false> struct Cta {
   static constexpr int kRows = Rows, kRowTiles = Rows / 16, kParts = DimParts;
   static constexpr int kWarps = kRowTiles * DimParts, kThreads = kWarps * 32;
-  static constexpr int kCopiers = kWarps < kCopyWarps ? kWarps : kCopyWarps;  // warps that copy a KV tile
+  static constexpr bool kPingPong = PingPong;
+  static constexpr int kCopiers = PingPong ? kWarps / 2 : kWarps < kCopyWarps ? kWarps : kCopyWarps;  // warps that copy a KV tile
   static constexpr int kCopyRows = kKeys / kCopiers;                          // its rows per copying warp
   // fp8 pools only: the e4m3 bytes of the next tile land in a stage of their own (576 B a row)
   // and are widened into the one f16 stage, which makes the CTA small enough to run three to
@@ -75,8 +83,13 @@ template <int Rows, int DimParts, int DimGroups, bool Fp8Staged = false> struct 
   static_assert(kRows * kRowPitch <= kKvBytes, "Q is staged through the KV buffers");
   static_assert(kCopyRows % 4 == 0 && kRows / kWarps % 4 == 0, "copy_rows: 4 rows x 8 lanes per pass");
   static_assert(kPartK * DimParts * 16 == kDqk && kORowTiles * kRowGroups == kRowTiles && kNT % 2 == 0);
+  static_assert(!PingPong || (kRowGroups == 2 && kRowTiles % 2 == 0 && !Fp8Staged), "ping-pong: two halves of row tiles");
 };
-using Cta64 = Cta<64, 2, 8>;
+// 64-row tiles: the ping-pong CTA over 16-bit pools. Over an fp8 pool its copying half would
+// also widen every tile's bytes alone, and it ran slower than the lockstep CTA, whose eight
+// warps share that (H100, KDTREE_VERIFY_WGMMA=0, 1x128x9 @128k: 1.438 against 1.371 ms).
+using Cta64 = Cta<64, 2, 4, false, true>;
+using Cta64Fp8 = Cta<64, 2, 8>;
 using Cta48 = Cta<48, 4, 4>;
 using Cta16 = Cta<16, 4, 4>;  // requests of up to 16 rows: Cta48's warps of one row tile
 using Cta16Fp8 = Cta<16, 4, 4, true>;
@@ -156,6 +169,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
   float* s_l = s_alpha + kRows;                                                        // [kRows]
   __shared__ Segment s_seg;
   static_assert(Fp8 || !C::kFp8Staged, "a staged CTA reads fp8 pools only");
+  static_assert(!Fp8 || !C::kPingPong, "the ping-pong CTA reads 16-bit pools only");
   constexpr bool kStaged = C::kFp8Staged;
   // Prefix slots of the next tiles, copied in by cp.async one tile ahead of the KV rows they
   // address, so issuing a tile's loads never waits on an index load from memory.
@@ -163,10 +177,15 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
-  // Whether this warp copies KV tiles, and the first row it copies (and, over an fp8 pool,
-  // converts), then every 4th of its C::kCopyRows: see copy_rows.
-  const bool copier = C::kCopiers == kWarps || warp < C::kCopiers;
-  const int own_row0 = warp * C::kCopyRows + (lane >> 3);
+  // Ping-pong: this warp's half (0 leads, 1 copies the KV tiles).
+  constexpr bool kPing = C::kPingPong;
+  constexpr int kHalfWarps = kWarps / 2;
+  const int half = kPing ? warp / kHalfWarps : 0;
+  // Whether this warp copies KV tiles, its place among the copiers, and the first row it
+  // copies (and, over an fp8 pool, converts), then every 4th of its C::kCopyRows: see copy_rows.
+  const bool copier = kPing ? half == 1 : C::kCopiers == kWarps || warp < C::kCopiers;
+  constexpr int kFirstCopier = kPing ? kHalfWarps : 0;  // also copies the slots of the tiles ahead
+  const int own_row0 = (warp - kFirstCopier) * C::kCopyRows + (lane >> 3);
 
   // ---- which request, rows and keys: warp 0 finds the CTA's segment after `prev` (null: its
   // first); one segment (its split) unless balanced ----
@@ -190,14 +209,15 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 
-  // Warp w copies rows [w * n, w * n + n) of a tile, four at a time: lane (lane / 8, lane % 8)
+  // Warp first_warp + w copies rows [w * n, w * n + n) of a tile, four at a time: lane (lane / 8, lane % 8)
   // takes 16-byte chunks lane % 8, + 8, ..., + 64 of row 4 i + lane / 8, so a row costs its
   // lanes one address and nine copies at fixed offsets, and eight lanes read 128 contiguous
   // bytes. (One row per pass over 32 lanes spent more issue slots on addresses and predicates
   // than S = Q K^T spends on mma.) src null: zero-fill (never NaN garbage).
-  auto copy_rows = [&](uint8_t* dst, int rows_per_warp, auto src_of) {
+  // (first_warp a constant: the lockstep CTAs' copies then compile as with w = warp.)
+  auto copy_rows = [&](uint8_t* dst, int rows_per_warp, int first_warp, auto src_of) {
     for (int i = 0; i < rows_per_warp; i += 4) {
-      const int r = warp * rows_per_warp + i + (lane >> 3);
+      const int r = (warp - first_warp) * rows_per_warp + i + (lane >> 3);
       const T* src = src_of(r);
       const uint32_t d = smem_addr(dst + r * kRowPitch) + (lane & 7) * 16;
       const T* s = src ? src + (lane & 7) * 8 : p.kv;
@@ -217,7 +237,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
     const Idx* kv_indices = static_cast<const Idx*>(p.kv_indices) + seg.kv_begin;
 
     // ---- stage Q (kRows rows x 576) through the KV buffers, then keep it in registers ----
-    copy_rows(s_kv, kRows / kWarps, [&](int r) -> const T* {
+    copy_rows(s_kv, kRows / kWarps, 0, [&](int r) -> const T* {
       const int m = row0 + r;
       if (m >= rows_b) return nullptr;
       const int node = m / p.heads, head = m - node * p.heads;
@@ -228,7 +248,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
       const bool valid = t < pre_tiles && pos < pre_end;
       cp_async_idx(smem_addr(&s_slot[t % 3][lane]), valid ? kv_indices + pos : kv_indices, valid);
     };
-    if (warp == 0) {
+    if (warp == kFirstCopier) {
       load_slots(0);
       load_slots(1);
     }
@@ -236,9 +256,14 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
     cp_async_wait<0>();
     __syncthreads();
 
-    // S: row tile rt, dim part dh. O: row tiles from o_tile0, dims from o_dim0.
-    const int rt = warp % kRowTiles, dh = warp / kRowTiles;
-    const int o_tile0 = warp % C::kRowGroups * kORowTiles, o_dim0 = warp / C::kRowGroups * kNT * 8;
+    // S: row tile rt, dim part dh. O: row tiles from o_tile0, dims from o_dim0. Ping-pong: the
+    // half's row tiles, its warps dividing them as a CTA of its size would.
+    constexpr int kHalfTiles = kRowTiles / 2;
+    const int hw = warp - half * kHalfWarps;
+    const int rt = kPing ? half * kHalfTiles + hw % kHalfTiles : warp % kRowTiles;
+    const int dh = kPing ? hw / kHalfTiles : warp / kRowTiles;
+    const int o_tile0 = kPing ? half * kORowTiles : warp % C::kRowGroups * kORowTiles;
+    const int o_dim0 = kPing ? hw * kNT * 8 : warp / C::kRowGroups * kNT * 8;
     uint32_t qf[kPartK][4];
     {
       const uint32_t q_lane = smem_addr(s_kv + (rt * 16 + (lane & 15)) * kRowPitch + (dh * kPartK * 2 + (lane >> 4)) * 16);
@@ -319,12 +344,12 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
           // a tree tile: copied in its own iteration, straight into the f16 stage
         } else if (t < pre_tiles) {
           const int first = pre_begin + t * kKeys;
-          copy_rows(s_kv + stage * kStageBytes, C::kCopyRows, [&](int k) -> const T* {
+          copy_rows(s_kv + stage * kStageBytes, C::kCopyRows, kFirstCopier, [&](int k) -> const T* {
             return first + k < pre_end ? p.kv + static_cast<int64_t>(checked_slot(p, slots[k], bad)) * p.kv_stride : nullptr;
           });
         } else {
           const int first = tree_begin + (t - pre_tiles) * kKeys;
-          copy_rows(s_kv + stage * kStageBytes, C::kCopyRows, [&](int k) -> const T* {
+          copy_rows(s_kv + stage * kStageBytes, C::kCopyRows, kFirstCopier, [&](int k) -> const T* {
             return first + k < tree_end ? p.tree_k + static_cast<int64_t>(q_begin + first + k) * p.tk_stride : nullptr;
           });
         }
@@ -392,18 +417,50 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
     float row_max = -INFINITY, row_sum = 0.f;
     const int my_row = rt * 16 + g + dh * 8;
 
-    // Pipeline: tile t+1's rows (and tile t+2's slots) load while tile t computes.
+    // Ping-pong's named barriers (0 is __syncthreads): each half's own, then by tile parity
+    // "tile landed" (the copying half arrives, the leading half waits) and "stage free" (the
+    // leading half arrives, the copying half waits).
+    constexpr int kBarHalf = 1, kBarLanded = 3, kBarFree = 5;
+    // The barrier of the warps that share S parts, P and alpha: the CTA's, or the half's.
+    auto rows_sync = [&] {
+      if constexpr (kPing) named_sync(kBarHalf + half, kHalfWarps * 32); else __syncthreads();
+    };
+    // (int in and out, as __syncthreads_or: the lockstep CTAs compile as they did without it)
+    auto rows_sync_or = [&](int v) -> int {
+      if constexpr (kPing) return named_sync_or(kBarHalf + half, kHalfWarps * 32, v != 0); else return __syncthreads_or(v);
+    };
+
+    // Pipeline: tile t+1's rows (and tile t+2's slots) load while tile t computes. Ping-pong:
+    // tile 0 lands for both halves here; then the copying half copies tile t+1 as soon as both
+    // halves are done with tile t-1's stage (as it starts tile t, the leading half then halfway
+    // through tile t) and tells the leading half once it has landed (halfway through its tile t,
+    // when the leading half wants tile t+1). Those two waits keep the halves half a tile apart.
     if (n_tiles > 0) load_tile(0, 0);
+    if constexpr (kPing) {
+      cp_async_wait<0>();
+      __syncthreads();
+    }
     for (int t = 0; t < n_tiles; ++t) {
       const int stage = kStaged ? 0 : t & 1;
-      if constexpr (kStaged) {
+      if constexpr (kPing) {
+        if (copier) {
+          rows_sync();  // the half is done with tile t-1's stage; tile t (its own copies) visible
+          if (t + 1 < n_tiles) {
+            if (t >= 1) named_sync(kBarFree + ((t - 1) & 1), C::kThreads);  // and so is the leading half
+            if (warp == kFirstCopier) load_slots(t + 2);
+            load_tile(t + 1, stage ^ 1);
+          }
+        } else if (t >= 1) {
+          named_sync(kBarLanded + (t & 1), C::kThreads);
+        }
+      } else if constexpr (kStaged) {
         cp_async_wait<0>();
         __syncthreads();  // iteration t-1 finished with the f16 stage; slots(t+1) visible
         if (copier && t < pre_tiles) {
           prefix_rows_to_f16(s_kv);
         } else if (copier) {
           const int first = tree_begin + (t - pre_tiles) * kKeys;
-          copy_rows(s_kv, C::kCopyRows, [&](int k) -> const T* {
+          copy_rows(s_kv, C::kCopyRows, kFirstCopier, [&](int k) -> const T* {
             return first + k < tree_end ? p.tree_k + static_cast<int64_t>(q_begin + first + k) * p.tk_stride : nullptr;
           });
           cp_async_commit();
@@ -414,7 +471,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
         // (the copies are asm the compiler could otherwise move ahead of them).
         asm volatile("" ::: "memory");
         if (t + 1 < n_tiles) {
-          if (warp == 0) load_slots(t + 2);
+          if (warp == kFirstCopier) load_slots(t + 2);
           load_tile(t + 1, 0);
         }
         __syncthreads();  // tile t visible in f16
@@ -430,7 +487,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
         }
         __syncthreads();  // tile t and slots(t+1) visible; iteration t-1 finished with its buffers
         if (t + 1 < n_tiles) {
-          if (warp == 0) load_slots(t + 2);
+          if (warp == kFirstCopier) load_slots(t + 2);
           load_tile(t + 1, stage ^ 1);
         }
       }
@@ -468,7 +525,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
 #pragma unroll
           for (int e = 0; e < 4; ++e) part[((2 * dh - 2 + e / 2) * 8 + j * 2 + e % 2) * 32 + lane] = s[j][e];
       }
-      __syncthreads();
+      rows_sync();
 
       // ---- online softmax: the owners, 2 per row tile x (8 rows x 32 keys) ----
       bool rescaled = false;
@@ -525,8 +582,15 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
         row_sum = row_sum * alpha + sum;
         if (t4 == 0) s_alpha[my_row] = alpha;
       }
+      // Ping-pong: the copying half publishes tile t+1 to the leading half, past its softmax.
+      if constexpr (kPing) {
+        if (copier && t + 1 < n_tiles) {
+          cp_async_wait<0>();
+          named_arrive(kBarLanded + ((t + 1) & 1), C::kThreads);
+        }
+      }
       // ---- O = O * alpha (only when some row's max moved) + P V, this warp's rows and dims ----
-      if (__syncthreads_or(rescaled)) {
+      if (rows_sync_or(rescaled)) {
 #pragma unroll
         for (int i = 0; i < kORowTiles; ++i) {
           const float a0 = s_alpha[(o_tile0 + i) * 16 + g], a1 = s_alpha[(o_tile0 + i) * 16 + g + 8];
@@ -555,11 +619,18 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
           }
         }
       }
+      if constexpr (kPing) {
+        if (!copier && t + 2 < n_tiles) named_arrive(kBarFree + (t & 1), C::kThreads);
+      }
     }
 
     // ---- finish: share each row's max and sum, normalise, write ----
     // The last tile's PV has read s_alpha; did any warp meet a slot outside kv_cache?
     const bool malformed = b == kMalformedBatch;  // rows to write NaN, no keys (find_row_tile)
+    // The ping-pong CTA reads these again rather than holding them through the tiles, where
+    // its registers are fuller; before the barrier past which warp 0 may write the next segment.
+    const bool direct = kPing ? s_seg.direct : seg.direct;
+    const int64_t part = kPing ? s_seg.part : seg.part;
     const bool slot_cta = __syncthreads_or(bad), range_cta = Fp8 && __syncthreads_or(range_bad);
     const bool bad_cta = slot_cta || range_cta || malformed;
     if (owner && t4 == 0) {
@@ -572,32 +643,39 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
 #pragma unroll
     for (int i = 0; i < kORowTiles; ++i)
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = (o_tile0 + i) * 16 + g + half * 8, m = row0 + r;
+      for (int up = 0; up < 2; ++up) {
+        const int r = (o_tile0 + i) * 16 + g + up * 8, m = row0 + r;
         if (m >= rows_b) continue;
         const float l = s_l[r];
         const float inv = bad_cta ? kNaN : l > 0.f ? k_scale / l : 0.f;
         const float lse = bad_cta ? kNaN : l > 0.f ? (s_alpha[r] + __log2f(l)) * 0.69314718055994531f : -INFINITY;
         const int node = m / p.heads, head = m - node * p.heads;
-        if (seg.direct) {
+        if (direct) {
           T* dst = p.out + (q_begin + node) * p.out_st + head * p.out_sh + o_dim0 + t4 * 2;
 #pragma unroll
           for (int j = 0; j < kNT; ++j)
             *reinterpret_cast<uint32_t*>(dst + j * 8) =
-                pack2<T>(o[i][j][half * 2] * inv, o[i][j][half * 2 + 1] * inv);
+                pack2<T>(o[i][j][up * 2] * inv, o[i][j][up * 2 + 1] * inv);
           if (o_dim0 == 0 && t4 == 0) p.lse[(q_begin + node) * p.lse_st + head * p.lse_sh] = lse;
         } else {
-          float* dst = p.part_o + (seg.part + r) * kDv + o_dim0 + t4 * 2;
+          float* dst = p.part_o + (part + r) * kDv + o_dim0 + t4 * 2;
 #pragma unroll
           for (int j = 0; j < kNT; ++j)
             *reinterpret_cast<float2*>(dst + j * 8) =
-                make_float2(o[i][j][half * 2] * inv, o[i][j][half * 2 + 1] * inv);
-          if (o_dim0 == 0 && t4 == 0) p.part_lse[seg.part + r] = lse;
+                make_float2(o[i][j][up * 2] * inv, o[i][j][up * 2 + 1] * inv);
+          if (o_dim0 == 0 && t4 == 0) p.part_lse[part + r] = lse;
         }
       }
     if constexpr (!Balanced) break;
     // The next segment, once every warp is past this one's epilogue (s_alpha, s_l, the stages).
-    if (warp == 0) find_segment(&seg);
+    if (warp == 0) {
+      if constexpr (kPing) {
+        const Segment done = s_seg;  // not held in registers: see the epilogue
+        find_segment(&done);
+      } else {
+        find_segment(&seg);
+      }
+    }
     __syncthreads();
     seg = s_seg;
   }
@@ -737,7 +815,10 @@ __global__ void __launch_bounds__(128) merge_splits_kernel(const VerifyParams<T>
 // so it pays only where 64-row tiles pad many rows: on an H200, requests of 144 rows (16 heads x
 // 9 nodes) ran 1.08-1.14x faster on 48-row tiles, and requests that 64-row tiles fill exactly
 // 0.58-0.90x as fast. So 48 when 64-row tiles cover at least 1.2 times the rows 48-row tiles do
-// (144 rows: 192 against 144), which also means 64-row tiles pad a fifth or more. A request of
+// (144 rows: 192 against 144), which also means 64-row tiles pad a fifth or more. Against the
+// ping-pong 64-row CTA the 144-row requests still favour 48 rows where mma.sync is slow:
+// on an H100 with every mma issued twice (sm_120's tensor rate per byte) 48-row tiles ran them
+// 1.08-1.15x faster, at the H100's own rate 0.92-0.98x as fast. A request of
 // at most 16 rows (16 heads x 1 node, 8 heads x 2) takes a 16-row CTA: any other pads two
 // thirds of its tensor-core work or more, and it still streams its keys once. Every request
 // is taken to have T / batch nodes (SGLang pads trees to one size, as the split count assumes),
@@ -775,14 +856,11 @@ int64_t portable_ctas_per_sm(const at::Tensor& on) {
   });
 }
 
-template <typename C, typename T>
-void launch_portable(const VerifyParams<T>& p, bool fp8, bool idx32, dim3 grid) {
+template <typename C, bool Fp8, typename T>
+void launch_portable(const VerifyParams<T>& p, bool idx32, dim3 grid) {
   auto kernel = with_flag(p.balanced > 0, [&](auto balanced) {
     return with_flag(idx32, [&](auto i32) {
-      using Idx = SlotIndex<decltype(i32)>;
-      constexpr bool B = decltype(balanced)::value;
-      // A staged CTA is taken for fp8 pools only: it has no 16-bit instance.
-      return fp8 ? verify_attn_kernel<C, T, Idx, true, B> : verify_attn_kernel<C, T, Idx, C::kFp8Staged, B>;
+      return verify_attn_kernel<C, T, SlotIndex<decltype(i32)>, Fp8, decltype(balanced)::value>;
     });
   });
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
@@ -1021,13 +1099,13 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
     const dim3 grid = balanced ? dim3(static_cast<unsigned>(plane_ctas), static_cast<unsigned>(planes))
                                : dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(splits));
     if (which == VerifyKernel::kPortable && rows == Cta48::kRows) {
-      launch_portable<Cta48>(p, fp8, idx32, grid);
+      fp8 ? launch_portable<Cta48, true>(p, idx32, grid) : launch_portable<Cta48, false>(p, idx32, grid);
     } else if (staged16) {
-      launch_portable<Cta16Fp8>(p, fp8, idx32, grid);
+      launch_portable<Cta16Fp8, true>(p, idx32, grid);
     } else if (rows16) {
-      launch_portable<Cta16>(p, fp8, idx32, grid);
+      fp8 ? launch_portable<Cta16, true>(p, idx32, grid) : launch_portable<Cta16, false>(p, idx32, grid);
     } else if (which == VerifyKernel::kPortable) {
-      launch_portable<Cta64>(p, fp8, idx32, grid);
+      fp8 ? launch_portable<Cta64Fp8, true>(p, idx32, grid) : launch_portable<Cta64, false>(p, idx32, grid);
     } else {
       // Tensor-map boxes pay where a CTA streams at least two tile pairs (256 keys): over one
       // (H200, 1x16x9 @4k: 32 splits of 128 keys) the instance without them ran 4-6% faster,

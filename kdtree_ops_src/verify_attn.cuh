@@ -177,6 +177,13 @@ __device__ __forceinline__ Idx checked_slot(const VerifyParams<T>& p, Idx slot, 
   return ok ? slot : Idx(0);
 }
 
+// Named barrier `id` (0 is __syncthreads) over `count` threads: wait, or arrive without waiting.
+__device__ __forceinline__ void named_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
 // Named barrier `id` over `count` threads that also returns whether any of them passed true.
 template <int id, int count>
 __device__ __forceinline__ bool bar_or(bool v) {
@@ -186,6 +193,17 @@ __device__ __forceinline__ bool bar_or(bool v) {
       "selp.u32 %0, 1, 0, out;\n}\n"
       : "=r"(any)
       : "r"(static_cast<uint32_t>(v)), "n"(id), "n"(count)
+      : "memory");
+  return any != 0;
+}
+// bar_or on a barrier chosen at run time.
+__device__ __forceinline__ bool named_sync_or(int id, int count, bool v) {
+  uint32_t any;
+  asm volatile(
+      "{\n.reg .pred in, out;\nsetp.ne.u32 in, %1, 0;\nbar.red.or.pred out, %2, %3, in;\n"
+      "selp.u32 %0, 1, 0, out;\n}\n"
+      : "=r"(any)
+      : "r"(static_cast<uint32_t>(v)), "r"(id), "r"(count)
       : "memory");
   return any != 0;
 }

@@ -1,5 +1,5 @@
 // Hopper (sm_90a) primitives shared by the wgmma verify kernels (verify_attn_sm90.cu,
-// verify_attn_sm90_seesaw.cu, verify_attn_sm90_fp8.cu): mbarriers, named barriers, cp.async
+// verify_attn_sm90_seesaw.cu, verify_attn_sm90_fp8.cu): mbarriers, cp.async
 // completion, proxy fence, shared-memory matrix descriptors, wgmma group control, and the
 // accumulator operand lists of their wgmma asm, and the start the segment-walking kernels
 // share. Compiled only for sm_90a.
@@ -39,13 +39,6 @@ __device__ __forceinline__ bool mbar_test(uint32_t bar, uint32_t parity) {
 }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-// Named barrier `id` (0 is __syncthreads) over `count` threads: wait, or arrive without waiting.
-__device__ __forceinline__ void named_sync(int id, int count) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-__device__ __forceinline__ void named_arrive(int id, int count) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 // Shared-memory matrix descriptor: start address, leading and stride offsets in bytes
 // (multiples of 16; the descriptor holds them in 16-byte units) and swizzle (1: 128-byte, 2:
