@@ -17,7 +17,10 @@
 // memory; O += P V: each warp owns the half's 32 rows x 128 dims. The second half copies every
 // tile, as soon as both halves are done with the stage it lands in, and tells the first half
 // when it has landed; named barriers carry both handshakes. Shared memory stays under 99 KB
-// (sm_120) with two 32-key stages of 1,152-byte rows loaded by 16-byte cp.async.
+// (sm_120) with two 32-key stages of 1,152-byte rows loaded by 16-byte cp.async. Over an fp8
+// pool, where every tile's bytes are also widened in shared memory, the 64-row CTA runs its 8
+// warps in lockstep instead (S as in a half, warp w % 4 and w / 4; O: all 64 rows x dims
+// [64w, 64w+64); every warp copies and widens 4 rows of a tile).
 //
 // A request of 144 rows (16 heads x 9 nodes, DeepSeek at TP8) fills 64-row tiles to 75%; the
 // 48-row CTA covers it exactly: 12 warps, warp (rt = w % 3, dh = w / 3) owning a quarter of
