@@ -184,8 +184,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
   constexpr bool kPing = C::kPingPong;
   constexpr int kHalfWarps = kWarps / 2;
   const int half = kPing ? warp / kHalfWarps : 0;
-  // Whether this warp copies KV tiles, its place among the copiers, and the first row it
-  // copies (and, over an fp8 pool, converts), then every 4th of its C::kCopyRows: see copy_rows.
+  // Whether this warp copies KV tiles, and the first row it copies (and, over an fp8 pool,
+  // converts), then every 4th of its C::kCopyRows: see copy_rows.
   const bool copier = kPing ? half == 1 : C::kCopiers == kWarps || warp < C::kCopiers;
   constexpr int kFirstCopier = kPing ? kHalfWarps : 0;  // also copies the slots of the tiles ahead
   const int own_row0 = (warp - kFirstCopier) * C::kCopyRows + (lane >> 3);
@@ -212,12 +212,13 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 
-  // Warp first_warp + w copies rows [w * n, w * n + n) of a tile, four at a time: lane (lane / 8, lane % 8)
-  // takes 16-byte chunks lane % 8, + 8, ..., + 64 of row 4 i + lane / 8, so a row costs its
-  // lanes one address and nine copies at fixed offsets, and eight lanes read 128 contiguous
-  // bytes. (One row per pass over 32 lanes spent more issue slots on addresses and predicates
-  // than S = Q K^T spends on mma.) src null: zero-fill (never NaN garbage).
-  // (first_warp a constant: the lockstep CTAs' copies then compile as with w = warp.)
+  // Warp first_warp + w copies rows [w * n, w * n + n) of a tile, four at a time: lane
+  // (lane / 8, lane % 8) takes 16-byte chunks lane % 8, + 8, ..., + 64 of row 4 i + lane / 8, so
+  // a row costs its lanes one address and nine copies at fixed offsets, and eight lanes read 128
+  // contiguous bytes. (One row per pass over 32 lanes spent more issue slots on addresses and
+  // predicates than S = Q K^T spends on mma.) src null: zero-fill (never NaN garbage).
+  // first_warp is a constant at every call: passed the copying warp's index at run time, the
+  // lockstep fp8 64-row CTA compiled differently on sm_120 and spilled.
   auto copy_rows = [&](uint8_t* dst, int rows_per_warp, int first_warp, auto src_of) {
     for (int i = 0; i < rows_per_warp; i += 4) {
       const int r = (warp - first_warp) * rows_per_warp + i + (lane >> 3);
