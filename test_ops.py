@@ -1146,6 +1146,7 @@ def test_verify_attn_cuda_nonpositive_scale(verify_kernel, sm_scale):
 
 
 @needs_gpu
+@pytest.mark.parametrize("pool", ["q_dtype", "uint8"])
 @pytest.mark.parametrize("heads,node_counts,want", [
     (16, [9], "48"),  # 144 rows: 64-row tiles cover 192
     (16, [9] * 3, "48"),
@@ -1161,21 +1162,28 @@ def test_verify_attn_cuda_nonpositive_scale(verify_kernel, sm_scale):
     (17, [1] * 2, "48"),  # 17 rows: 64-row tiles cover 64, 48-row ones 48
     (16, [1, 1, 2], "64"),  # unequal trees
 ])
-def test_verify_attn_cuda_portable_row_tile_choice(heads, node_counts, want, monkeypatch):
+def test_verify_attn_cuda_portable_row_tile_choice(heads, node_counts, want, pool, monkeypatch):
     """Unforced, the portable kernel serves a shape exactly as the row tile the rule picks:
     16-row tiles for requests of at most 16 rows, else 48-row tiles where 64-row ones pad a
-    fifth or more and 48-row ones pad less. Which CTA shape ran is read off the launched
+    fifth or more and 48-row ones pad less; 64-row tiles run the ping-pong CTA over a 16-bit
+    pool and the lockstep one over an fp8 pool. Which CTA ran is read off the launched
     kernel's name (16- and 48-row CTAs compute a row in the same order, so outputs alone
     cannot tell them apart)."""
-    case = make_verify_case([1000] * len(node_counts), node_counts, heads)
+    case, kw, ref = with_pool(make_verify_case([1000] * len(node_counts), node_counts, heads), pool)
+    for name in ("KDTREE_VERIFY_BALANCE", "KDTREE_VERIFY_SEESAW"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("KDTREE_VERIFY_WGMMA", "0")
+    cta = {"16": "16", "48": "48", "64": "64" if pool == "uint8" else "64 ping-pong"}
     served, ctas = {}, {}
     for rows in ("", "16", "48", "64"):
         monkeypatch.setenv("KDTREE_VERIFY_ROWS", rows)
-        served[rows], ctas[rows] = verify_attn_served(case, max_kv_len=1000)
-    assert ctas[""] == {want} and all(ctas[r] == {r} for r in ("16", "48", "64")), ctas
+        served[rows], kernels = verify_attn_served(case, max_kv_len=1000, **kw)
+        # whether a 16-row CTA stages an fp8 pool's bytes depends on the GPU's SM count
+        # (test_verify_attn_cuda_sm90_kernel_choice pins it on sm_90)
+        ctas[rows] = {k.removesuffix(" staged") for k in kernels}
+    assert ctas[""] == {cta[want]} and all(ctas[r] == {cta[r]} for r in ("16", "48", "64")), ctas
     assert all(torch.equal(a, b) for a, b in zip(served[""], served[want]))
-    assert_verify_close(*served[""], case)
+    assert_verify_close(*served[""], ref)
 
 
 def launched_kernels(fn):
@@ -1189,10 +1197,11 @@ def launched_kernels(fn):
 def verify_attn_served(case, **kw):
     """verify_attn's (out, lse) on the case and which verify kernels served it: "seesaw", "fp8"
     (the Hopper kernel that keeps an fp8 pool's rows as e4m3), or the portable CTA's rows ("16
-    staged": the 16-row CTA that stages an fp8 pool's next tile as bytes)."""
+    staged": the 16-row CTA that stages an fp8 pool's next tile as bytes; "64 ping-pong": the
+    64-row CTA whose halves run half a tile apart)."""
     result, names = launched_kernels(lambda: kdtree_ops.verify_attn(*verify_args(case), **kw))
-    served = {rows + (" staged" if staged == "true" else "")
-              for n in names for rows, staged in re.findall(r"Cta<(\d+), \d+, \d+, (true|false)(?:, (?:true|false))?>", n)}
+    served = {rows + (" staged" if staged == "true" else "") + (" ping-pong" if ping == "true" else "")
+              for n in names for rows, staged, ping in re.findall(r"Cta<(\d+), \d+, \d+, (true|false), (true|false)>", n)}
     served |= {"seesaw" for n in names if "seesaw" in n}
     served |= {"fp8" for n in names if "verify_attn_fp8_kernel" in n}
     return result, served
