@@ -87,6 +87,7 @@ template <int Rows, int DimParts, int DimGroups, bool Fp8Staged = false, bool Pi
   static_assert(kCopyRows % 4 == 0 && kRows / kWarps % 4 == 0, "copy_rows: 4 rows x 8 lanes per pass");
   static_assert(kPartK * DimParts * 16 == kDqk && kORowTiles * kRowGroups == kRowTiles && kNT % 2 == 0);
   static_assert(!PingPong || (kRowGroups == 2 && kRowTiles % 2 == 0 && !Fp8Staged), "ping-pong: two halves of row tiles");
+  static_assert(!PingPong || kCopyRows == 8, "ping-pong fp8: each half widens one of a copying thread's two rows");
 };
 // 64-row tiles: the ping-pong CTA over 16-bit pools. Over an fp8 pool its copying half would
 // also widen every tile's bytes alone, and it ran slower than the lockstep CTA, whose eight
@@ -172,7 +173,6 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
   float* s_l = s_alpha + kRows;                                                        // [kRows]
   __shared__ Segment s_seg;
   static_assert(Fp8 || !C::kFp8Staged, "a staged CTA reads fp8 pools only");
-  static_assert(!Fp8 || !C::kPingPong, "the ping-pong CTA reads 16-bit pools only");
   constexpr bool kStaged = C::kFp8Staged;
   // Prefix slots of the next tiles, copied in by cp.async one tile ahead of the KV rows they
   // address, so issuing a tile's loads never waits on an index load from memory.
@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
   // converts), then every 4th of its C::kCopyRows: see copy_rows.
   const bool copier = kPing ? half == 1 : C::kCopiers == kWarps || warp < C::kCopiers;
   constexpr int kFirstCopier = kPing ? kHalfWarps : 0;  // also copies the slots of the tiles ahead
-  const int own_row0 = (warp - kFirstCopier) * C::kCopyRows + (lane >> 3);
+  const int own_row0 = (kPing ? warp % kHalfWarps : warp) * C::kCopyRows + (lane >> 3);
 
   // ---- which request, rows and keys: warp 0 finds the CTA's segment after `prev` (null: its
   // first); one segment (its split) unless balanced ----
@@ -306,6 +306,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
     }
     const float score_scale = Fp8 ? p.scale_log2 * (k_scale / q_factor) : p.scale_log2;
     const float tree_to_pool = 1.f / k_scale;  // fp8: tree rows into the pool's units
+    __shared__ float s_to_pool;  // the ping-pong CTA's copy (its registers are fuller)
+    if (kPing && Fp8 && tid == 0) s_to_pool = tree_to_pool;
 
     bool bad = false;  // met a prefix slot outside kv_cache (checked_slot)
     // Staged CTA: the first stage holds the f16 tile the mma read; behind it the next tile's e4m3
@@ -363,25 +365,27 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
 
     // fp8 pool: this thread's chunks of a tree tile's rows (q's dtype, the pool's units times
     // k_scale), landed in `stage`, into f16 in the pool's units.
-    auto tree_rows_to_f16 = [&](uint8_t* stage) {
+    // Rows own_row0 + i for i from i0 by di (the ping-pong halves take every other one).
+    auto tree_rows_to_f16 = [&](uint8_t* stage, int i0, int di) {
+      const float to_pool = kPing ? s_to_pool : tree_to_pool;
 #pragma unroll
-      for (int i = 0; i < C::kCopyRows; i += 4) {
+      for (int i = i0; i < C::kCopyRows; i += di) {
         uint8_t* row = stage + (own_row0 + i) * kRowPitch + (lane & 7) * 16;
 #pragma unroll
         for (int c = 0; c < kChunks / 8; ++c)
           *reinterpret_cast<uint4*>(row + c * 128) =
-              to_f16x8<T>(*reinterpret_cast<const uint4*>(row + c * 128), tree_to_pool, range_bad);
+              to_f16x8<T>(*reinterpret_cast<const uint4*>(row + c * 128), to_pool, range_bad);
       }
     };
 
     // fp8 pool: this thread's e4m3 bytes of a prefix tile's rows (staged, or in place in
     // `stage`) into f16 in `stage`.
-    auto prefix_rows_to_f16 = [&](uint8_t* stage) {
+    auto prefix_rows_to_f16 = [&](uint8_t* stage, int i0, int di) {
       // Staged: a lane's first store goes to the half (lane / 4) % 2 of its 32 bytes, so the 8
       // lanes of a row store to 8 distinct bank groups.
       const int first_half = (lane >> 2) & 1;
 #pragma unroll
-      for (int i = 0; i < C::kCopyRows; i += 4) {
+      for (int i = i0; i < C::kCopyRows; i += di) {
         const int row = own_row0 + i;
         if constexpr (kStaged) {
           uint8_t* dst = stage + row * kRowPitch + (lane & 7) * 32;
@@ -422,9 +426,21 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
     const int my_row = rt * 16 + g + dh * 8;
 
     // Ping-pong's named barriers (0 is __syncthreads): each half's own, then by tile parity
-    // "tile landed" (the copying half arrives, the leading half waits) and "stage free" (the
-    // leading half arrives, the copying half waits).
-    constexpr int kBarHalf = 1, kBarLanded = 3, kBarFree = 5;
+    // "tile landed" (the copying half arrives, the leading half waits), "stage free" (the
+    // leading half arrives, the copying half waits) and, over an fp8 pool, "widened" (the
+    // leading half's rows of the tile are f16: it arrives, the copying half waits).
+    constexpr int kBarHalf = 1, kBarLanded = 3, kBarFree = 5, kBarWidened = 7;
+    // fp8 pool: rows own_row0 + i of tile t (i from i0 by di), landed in stage `stage`, -> f16
+    // in place. Ping-pong: the copying half widens its first rows right after they land, the
+    // leading half the others once it is told they have (split so neither waits on the other
+    // for all of a tile's widening).
+    auto own_rows_to_f16 = [&](int t, int stage, int i0, int di) {
+      if (t >= pre_tiles) {
+        tree_rows_to_f16(s_kv + stage * kStageBytes, i0, di);
+      } else {
+        prefix_rows_to_f16(s_kv + stage * kStageBytes, i0, di);
+      }
+    };
     // The barrier of the warps that share S parts, P and alpha: the CTA's, or the half's.
     auto rows_sync = [&] {
       if constexpr (kPing) named_sync(kBarHalf + half, kHalfWarps * 32); else __syncthreads();
@@ -442,6 +458,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
     if (n_tiles > 0) load_tile(0, 0);
     if constexpr (kPing) {
       cp_async_wait<0>();
+      if (Fp8 && copier && n_tiles > 0) own_rows_to_f16(0, 0, 0, 4);
       __syncthreads();
     }
     for (int t = 0; t < n_tiles; ++t) {
@@ -449,6 +466,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
       if constexpr (kPing) {
         if (copier) {
           rows_sync();  // the half is done with tile t-1's stage; tile t (its own copies) visible
+          if (Fp8 && t >= 1) named_sync(kBarWidened + (t & 1), C::kThreads);  // and the leading half's rows
           if (t + 1 < n_tiles) {
             if (t >= 1) named_sync(kBarFree + ((t - 1) & 1), C::kThreads);  // and so is the leading half
             if (warp == kFirstCopier) load_slots(t + 2);
@@ -456,12 +474,17 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
           }
         } else if (t >= 1) {
           named_sync(kBarLanded + (t & 1), C::kThreads);
+          if constexpr (Fp8) {
+            own_rows_to_f16(t, stage, 4, 8);
+            named_arrive(kBarWidened + (t & 1), C::kThreads);
+            rows_sync();  // the half's own widened rows
+          }
         }
       } else if constexpr (kStaged) {
         cp_async_wait<0>();
         __syncthreads();  // iteration t-1 finished with the f16 stage; slots(t+1) visible
         if (copier && t < pre_tiles) {
-          prefix_rows_to_f16(s_kv);
+          prefix_rows_to_f16(s_kv, 0, 4);
         } else if (copier) {
           const int first = tree_begin + (t - pre_tiles) * kKeys;
           copy_rows(s_kv, C::kCopyRows, kFirstCopier, [&](int k) -> const T* {
@@ -469,7 +492,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
           });
           cp_async_commit();
           cp_async_wait<0>();
-          tree_rows_to_f16(s_kv);
+          tree_rows_to_f16(s_kv, 0, 4);
         }
         // The staged bytes are this thread's again: tile t+1's go there, after the reads above
         // (the copies are asm the compiler could otherwise move ahead of them).
@@ -485,9 +508,9 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
         // way), before the barrier that publishes the tile: right behind the previous tile's
         // P V mma, which run on while these conversions issue, and with no barrier of their own.
         if (Fp8 && copier && t >= pre_tiles) {
-          tree_rows_to_f16(s_kv + stage * kStageBytes);
+          tree_rows_to_f16(s_kv + stage * kStageBytes, 0, 4);
         } else if (Fp8 && copier) {
-          prefix_rows_to_f16(s_kv + stage * kStageBytes);
+          prefix_rows_to_f16(s_kv + stage * kStageBytes, 0, 4);
         }
         __syncthreads();  // tile t and slots(t+1) visible; iteration t-1 finished with its buffers
         if (t + 1 < n_tiles) {
@@ -590,6 +613,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
       if constexpr (kPing) {
         if (copier && t + 1 < n_tiles) {
           cp_async_wait<0>();
+          if constexpr (Fp8) own_rows_to_f16(t + 1, stage ^ 1, 0, 8);
           named_arrive(kBarLanded + ((t + 1) & 1), C::kThreads);
         }
       }
@@ -1109,7 +1133,13 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
     } else if (rows16) {
       fp8 ? launch_portable<Cta16, true>(p, idx32, grid) : launch_portable<Cta16, false>(p, idx32, grid);
     } else if (which == VerifyKernel::kPortable) {
-      fp8 ? launch_portable<Cta64Fp8, true>(p, idx32, grid) : launch_portable<Cta64, false>(p, idx32, grid);
+      if (!fp8) {
+        launch_portable<Cta64, false>(p, idx32, grid);
+      } else if (env_flag("KDTREE_PP_FP8", false)) {  // experiment: the ping-pong CTA, widening split
+        launch_portable<Cta64, true>(p, idx32, grid);
+      } else {
+        launch_portable<Cta64Fp8, true>(p, idx32, grid);
+      }
     } else {
       // Tensor-map boxes pay where a CTA streams at least two tile pairs (256 keys): over one
       // (H200, 1x16x9 @4k: 32 splits of 128 keys) the instance without them ran 4-6% faster,
