@@ -1165,15 +1165,15 @@ def test_verify_attn_cuda_nonpositive_scale(verify_kernel, sm_scale):
 def test_verify_attn_cuda_portable_row_tile_choice(heads, node_counts, want, pool, monkeypatch):
     """Unforced, the portable kernel serves a shape exactly as the row tile the rule picks:
     16-row tiles for requests of at most 16 rows, else 48-row tiles where 64-row ones pad a
-    fifth or more and 48-row ones pad less; 64-row tiles run the ping-pong CTA over a 16-bit
-    pool and the lockstep one over an fp8 pool. Which CTA ran is read off the launched
+    fifth or more and 48-row ones pad less; 64-row tiles run the ping-pong CTA over both
+    pools. Which CTA ran is read off the launched
     kernel's name (16- and 48-row CTAs compute a row in the same order, so outputs alone
     cannot tell them apart)."""
     case, kw, ref = with_pool(make_verify_case([1000] * len(node_counts), node_counts, heads), pool)
     for name in ("KDTREE_VERIFY_BALANCE", "KDTREE_VERIFY_SEESAW"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("KDTREE_VERIFY_WGMMA", "0")
-    cta = {"16": "16", "48": "48", "64": "64" if pool == "uint8" else "64 ping-pong"}
+    cta = {"16": "16", "48": "48", "64": "64 ping-pong"}
     served, ctas = {}, {}
     for rows in ("", "16", "48", "64"):
         monkeypatch.setenv("KDTREE_VERIFY_ROWS", rows)
