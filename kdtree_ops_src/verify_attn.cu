@@ -884,11 +884,15 @@ int64_t portable_ctas_per_sm(const at::Tensor& on) {
   });
 }
 
-template <typename C, bool Fp8, typename T>
-void launch_portable(const VerifyParams<T>& p, bool idx32, dim3 grid) {
-  auto kernel = with_flag(p.balanced > 0, [&](auto balanced) {
-    return with_flag(idx32, [&](auto i32) {
-      return verify_attn_kernel<C, T, SlotIndex<decltype(i32)>, Fp8, decltype(balanced)::value>;
+// fp8: the pool holds e4m3 bytes (a staged CTA reads no other).
+template <typename C, typename T>
+void launch_portable(const VerifyParams<T>& p, bool fp8, bool idx32, dim3 grid) {
+  auto kernel = with_flag(fp8, [&](auto fp8_pool) {
+    return with_flag(p.balanced > 0, [&](auto balanced) {
+      return with_flag(idx32, [&](auto i32) {
+        return verify_attn_kernel<C, T, SlotIndex<decltype(i32)>, decltype(fp8_pool)::value || C::kFp8Staged,
+                                  decltype(balanced)::value>;
+      });
     });
   });
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
@@ -1127,13 +1131,13 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
     const dim3 grid = balanced ? dim3(static_cast<unsigned>(plane_ctas), static_cast<unsigned>(planes))
                                : dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(splits));
     if (which == VerifyKernel::kPortable && rows == Cta48::kRows) {
-      fp8 ? launch_portable<Cta48, true>(p, idx32, grid) : launch_portable<Cta48, false>(p, idx32, grid);
+      launch_portable<Cta48>(p, fp8, idx32, grid);
     } else if (staged16) {
-      launch_portable<Cta16Fp8, true>(p, idx32, grid);
+      launch_portable<Cta16Fp8>(p, fp8, idx32, grid);
     } else if (rows16) {
-      fp8 ? launch_portable<Cta16, true>(p, idx32, grid) : launch_portable<Cta16, false>(p, idx32, grid);
+      launch_portable<Cta16>(p, fp8, idx32, grid);
     } else if (which == VerifyKernel::kPortable) {
-      fp8 ? launch_portable<Cta64, true>(p, idx32, grid) : launch_portable<Cta64, false>(p, idx32, grid);
+      launch_portable<Cta64>(p, fp8, idx32, grid);
     } else {
       // Tensor-map boxes pay where a CTA streams at least two tile pairs (256 keys): over one
       // (H200, 1x16x9 @4k: 32 splits of 128 keys) the instance without them ran 4-6% faster,
