@@ -1166,9 +1166,8 @@ def test_verify_attn_cuda_portable_row_tile_choice(heads, node_counts, want, poo
     """Unforced, the portable kernel serves a shape exactly as the row tile the rule picks:
     16-row tiles for requests of at most 16 rows, else 48-row tiles where 64-row ones pad a
     fifth or more and 48-row ones pad less; 64-row tiles run the ping-pong CTA over both
-    pools. Which CTA ran is read off the launched
-    kernel's name (16- and 48-row CTAs compute a row in the same order, so outputs alone
-    cannot tell them apart)."""
+    pools. Which CTA ran is read off the launched kernel's name (16- and 48-row CTAs compute
+    a row in the same order, so outputs alone cannot tell them apart)."""
     case, kw, ref = with_pool(make_verify_case([1000] * len(node_counts), node_counts, heads), pool)
     for name in ("KDTREE_VERIFY_BALANCE", "KDTREE_VERIFY_SEESAW"):
         monkeypatch.delenv(name, raising=False)
