@@ -507,11 +507,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
         // fp8 pool: this thread's own copies of tile t -> f16 in place (the same chunks either
         // way), before the barrier that publishes the tile: right behind the previous tile's
         // P V mma, which run on while these conversions issue, and with no barrier of their own.
-        if (Fp8 && copier && t >= pre_tiles) {
-          tree_rows_to_f16(s_kv + stage * kStageBytes, 0, 4);
-        } else if (Fp8 && copier) {
-          prefix_rows_to_f16(s_kv + stage * kStageBytes, 0, 4);
-        }
+        if (Fp8 && copier) own_rows_to_f16(t, stage, 0, 4);
         __syncthreads();  // tile t and slots(t+1) visible; iteration t-1 finished with its buffers
         if (t + 1 < n_tiles) {
           if (warp == kFirstCopier) load_slots(t + 2);
