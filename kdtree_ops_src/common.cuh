@@ -17,7 +17,9 @@
 #include <cstring>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
+#include <tuple>
 #include <utility>
 
 namespace kdtree {
@@ -329,6 +331,24 @@ void launch_kernel_optin(void (*kernel)(Params...), dim3 grid, dim3 block, size_
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(smem)));
   launch_kernel(kernel, grid, block, smem, std::forward<Args>(args)...);
+}
+
+// Lets `kernel` launch with `bytes` of dynamic shared memory (past the 48 KB default) on the
+// current device. The driver is asked the first time a kernel wants a size on a device, not on
+// every launch (kernels whose size varies with their arguments: launch_kernel_optin).
+// Thread-safe; a call that throws is made again next time.
+template <typename... Params>
+void allow_dynamic_smem(void (*kernel)(Params...), int bytes) {
+  static std::mutex mu;
+  static std::set<std::tuple<void (*)(Params...), int, int>> allowed;
+  const std::tuple<void (*)(Params...), int, int> key{kernel, c10::cuda::current_device(), bytes};
+  {
+    const std::lock_guard<std::mutex> lock(mu);
+    if (allowed.count(key)) return;
+  }
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  const std::lock_guard<std::mutex> lock(mu);
+  allowed.insert(key);
 }
 
 // ask() for device `dev`, asked once per device and kept: a store per call site (each lambda

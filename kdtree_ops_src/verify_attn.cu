@@ -871,7 +871,7 @@ int64_t portable_ctas_per_sm(const at::Tensor& on) {
     int ctas = INT32_MAX;
     for (auto kernel : {verify_attn_kernel<C, __nv_bfloat16, int64_t, true, false>,
                         verify_attn_kernel<C, __nv_bfloat16, int64_t, true, true>}) {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
+      allow_dynamic_smem(kernel, C::kSmemBytes);
       int fit = 0;
       C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, C::kThreads, C::kSmemBytes));
       ctas = std::min(ctas, fit);
@@ -891,7 +891,7 @@ void launch_portable(const VerifyParams<T>& p, bool fp8, bool idx32, dim3 grid) 
       });
     });
   });
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes));
+  allow_dynamic_smem(kernel, C::kSmemBytes);
   kernel<<<grid, C::kThreads, C::kSmemBytes, current_stream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

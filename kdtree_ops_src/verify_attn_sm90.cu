@@ -471,7 +471,7 @@ void launch_verify_attn_sm90(VerifyKernel which, const VerifyParams<T>& p, bool 
     return;
   }
   auto kernel = idx32 ? verify_attn_sm90_kernel<T, int32_t> : verify_attn_sm90_kernel<T, int64_t>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  allow_dynamic_smem(kernel, kSmemBytes);
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

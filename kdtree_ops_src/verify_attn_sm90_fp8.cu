@@ -692,7 +692,7 @@ void launch_verify_attn_fp8(const VerifyParams<T>& p, bool idx32, dim3 grid, cud
       return verify_attn_fp8_kernel<T, SlotIndex<decltype(i32)>, decltype(balanced)::value>;
     });
   });
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  allow_dynamic_smem(kernel, kSmemBytes);
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

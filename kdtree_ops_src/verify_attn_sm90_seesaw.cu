@@ -868,7 +868,7 @@ void launch_verify_attn_seesaw(const VerifyParams<T>& p, bool idx32, bool boxes,
                        : verify_attn_seesaw_kernel<T, Idx, false, false, B>;
     });
   });
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  allow_dynamic_smem(kernel, kSmemBytes);
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(p, kv_map);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
