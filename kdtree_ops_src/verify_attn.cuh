@@ -168,7 +168,7 @@ template <typename T> __device__ __forceinline__ float kv_scale(const VerifyPara
 
 // A prefix slot outside kv_cache never reaches memory: the loader reads row 0 in its place and
 // notes it in `bad` (a register, so the loops carry no pointer for it); the CTA's writers learn
-// of it through one barrier with an OR (bar_or) before the epilogue, make the CTA's rows NaN
+// of it through one barrier with an OR (named_sync_or) before the epilogue, make the CTA's rows NaN
 // (out and lse, or the partials the merge turns into NaN rows) and raise the guard.
 template <typename T, typename Idx>
 __device__ __forceinline__ Idx checked_slot(const VerifyParams<T>& p, Idx slot, bool& bad) {
@@ -185,18 +185,6 @@ __device__ __forceinline__ void named_arrive(int id, int count) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 // Named barrier `id` over `count` threads that also returns whether any of them passed true.
-template <int id, int count>
-__device__ __forceinline__ bool bar_or(bool v) {
-  uint32_t any;
-  asm volatile(
-      "{\n.reg .pred in, out;\nsetp.ne.u32 in, %1, 0;\nbar.red.or.pred out, %2, %3, in;\n"
-      "selp.u32 %0, 1, 0, out;\n}\n"
-      : "=r"(any)
-      : "r"(static_cast<uint32_t>(v)), "n"(id), "n"(count)
-      : "memory");
-  return any != 0;
-}
-// bar_or on a barrier chosen at run time.
 __device__ __forceinline__ bool named_sync_or(int id, int count, bool v) {
   uint32_t any;
   asm volatile(

@@ -385,7 +385,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_sm90_kernel(const Ver
     // Whether either loading warpgroup met a slot outside kv_cache; WG0's lse is written by now
     // (kBarStats), so a bad CTA's NaN lse lands after it.
     const bool malformed = s_tile[0] == kMalformedBatch;  // rows to write NaN, no keys (find_row_tile)
-    const bool bad_cta = bar_or<kBarLoaded, 2 * kWgThreads>(bad) || malformed;
+    const bool bad_cta = named_sync_or(kBarLoaded, 2 * kWgThreads, bad) || malformed;
     if (bad_cta && h == 0 && lt == 0) raise_guard(p.guard, malformed ? kGuardVerifyIndptr : kGuardKvSlot);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {

@@ -380,8 +380,8 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_fp8_kernel(const Veri
           if (lt == 0) s_seg[(k + 1) & 1] = after;
         }
       }
-      bar_or<kBarLoaded, kThreads>(bad);
-      bar_or<kBarLoaded, kThreads>(beyond);
+      named_sync_or(kBarLoaded, kThreads, bad);
+      named_sync_or(kBarLoaded, kThreads, beyond);
       if constexpr (!Balanced) break;
       tile_base += tiles_of(sg).n;
     }
@@ -633,8 +633,8 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_fp8_kernel(const Veri
       // ---- epilogue: row sums over both consumers, then this consumer's half of O ----
       named_sync(kBarConsumers, kConsumers);
       const bool malformed = sg.b == kMalformedBatch;
-      const bool slot_bad = bar_or<kBarLoaded, kThreads>(false);
-      const bool range_bad = bar_or<kBarLoaded, kThreads>(false) || !k_scale_usable(k_scale);
+      const bool slot_bad = named_sync_or(kBarLoaded, kThreads, false);
+      const bool range_bad = named_sync_or(kBarLoaded, kThreads, false) || !k_scale_usable(k_scale);
       const bool bad = slot_bad || range_bad || malformed;
       if (bad && tid == 0)
         raise_guard(p.guard, malformed ? kGuardVerifyIndptr : slot_bad ? kGuardKvSlot : kGuardFp8Range);

@@ -70,7 +70,7 @@ __device__ __forceinline__ uint32_t k_block_bar(uint32_t bar_q, int buf, int cb)
 // Named barriers between the two consumers (256 threads; 0 is __syncthreads).
 constexpr int kBarMax0 = 1, kBarMax1 = 2, kBarP0 = 3, kBarP1 = 4, kBarSum = 5;
 // The producer's last copy issued -> the consumers' epilogue, with whether it met a slot
-// outside kv_cache (bar_or over all three warpgroups).
+// outside kv_cache (named_sync_or over all three warpgroups).
 constexpr int kBarLoaded = 6;
 // The producer warpgroup (128 threads) agreeing on whether a tile's slots run consecutively.
 constexpr int kBarRun = 7;
@@ -326,7 +326,7 @@ __device__ __forceinline__ void produce_rows(const VerifyParams<T>& p, const CUt
     bool mine = first >= 0 && static_cast<uint64_t>(first) + kTileKeys <= static_cast<uint64_t>(p.kv_rows);
 #pragma unroll
     for (int j = 0; j < 4; ++j) mine &= slot[4 * tl + j] == first + grp + 16 * j;
-    return bar_or<kBarRun, kWgThreads>(!mine) ? -1 : static_cast<int>(first);
+    return named_sync_or(kBarRun, kWgThreads, !mine) ? -1 : static_cast<int>(first);
   };
 
   auto copy_loop = [&](auto boxed_loop) {
@@ -476,8 +476,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (lt == 0) s_seg[(k + 1) & 1] = after;
         }
       }
-      bar_or<kBarLoaded, kThreads>(bad);
-      if constexpr (Fp8) bar_or<kBarLoaded, kThreads>(beyond);
+      named_sync_or(kBarLoaded, kThreads, bad);
+      if constexpr (Fp8) named_sync_or(kBarLoaded, kThreads, beyond);
       if constexpr (!Balanced) break;  // one segment: the barrier phases stay compile-time
       pair_base += n_pairs;
     }
@@ -782,8 +782,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       named_sync(kBarSum, kConsumers);
       // A slot outside kv_cache met by the producer, or a malformed batch: NaN rows.
       const bool malformed = b == kMalformedBatch;
-      const bool slot_bad = bar_or<kBarLoaded, kThreads>(false);
-      const bool range_bad = Fp8 && (bar_or<kBarLoaded, kThreads>(false) || !k_scale_usable(k_scale));
+      const bool slot_bad = named_sync_or(kBarLoaded, kThreads, false);
+      const bool range_bad = Fp8 && (named_sync_or(kBarLoaded, kThreads, false) || !k_scale_usable(k_scale));
       const bool bad = slot_bad || range_bad || malformed;
       if (bad && tid == 0)
         raise_guard(p.guard, malformed ? kGuardVerifyIndptr : slot_bad ? kGuardKvSlot : kGuardFp8Range);
