@@ -1426,6 +1426,29 @@ def test_verify_attn_cuda_balanced_schedule(kernel, prefix_lens, node_counts, he
 
 
 @needs_gpu
+@pytest.mark.parametrize("kernel", ["seesaw", "portable"])
+def test_verify_attn_cuda_balanced_whole_units_write_the_output(kernel, monkeypatch):
+    """Balanced, with more row tiles a request (130) than SMs allow two CTAs a plane: each
+    plane's CTA takes its units whole and writes the output, and no merge is launched."""
+    if kernel == "seesaw" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the seesaw kernel serves sm_90 only")
+    if torch.cuda.get_device_properties(0).multi_processor_count >= 260:
+        pytest.skip("two CTAs a plane fit this GPU")
+    for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA", "KDTREE_VERIFY_ROWS"):
+        monkeypatch.delenv(name, raising=False)
+    if kernel == "portable":
+        monkeypatch.setenv("KDTREE_VERIFY_WGMMA", "0")
+    monkeypatch.setenv("KDTREE_VERIFY_BALANCE", "1")
+    monkeypatch.setenv("KDTREE_VERIFY_ROWS", "64")
+    case = make_verify_case([700, 131], [65, 65], 128, slots="pages")
+    (out, lse), names = launched_kernels(lambda: kdtree_ops.verify_attn(*verify_args(case)))
+    assert not [n for n in names if "merge_splits_kernel<" in n], names
+    attention = {m for n in names for m in re.findall(r"verify_attn(?:_seesaw)?_kernel<(?:[^<>]|<[^<>]*>)*, (true|false)>", n)}
+    assert attention == {"true"}, names
+    assert_verify_close(out, lse, case)
+
+
+@needs_gpu
 def test_verify_attn_cuda_graph_replay_moves_lengths(verify_kernel):
     """A captured batch replayed with its prefix lengths redistributed (same total, same trees):
     the balanced schedule finds its segments on the device at every replay."""
