@@ -1434,7 +1434,7 @@ def test_verify_attn_cuda_balanced_whole_units_write_the_output(kernel, monkeypa
         pytest.skip("the seesaw kernel serves sm_90 only")
     if torch.cuda.get_device_properties(0).multi_processor_count >= 260:
         pytest.skip("two CTAs a plane fit this GPU")
-    for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA", "KDTREE_VERIFY_ROWS"):
+    for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA"):
         monkeypatch.delenv(name, raising=False)
     if kernel == "portable":
         monkeypatch.setenv("KDTREE_VERIFY_WGMMA", "0")
