@@ -11,15 +11,15 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <algorithm>
 #include <cctype>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <optional>
-#include <set>
 #include <string>
-#include <tuple>
 #include <utility>
 
 namespace kdtree {
@@ -323,32 +323,34 @@ void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// launch_kernel for dynamic shared memory past the 48 KB default, which a kernel gets only
-// after raising its own limit; smem varies with the arguments, so every launch sets it.
-template <typename... Params, typename... Args>
-void launch_kernel_optin(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
-                         Args&&... args) {
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(smem)));
-  launch_kernel(kernel, grid, block, smem, std::forward<Args>(args)...);
-}
-
-// Lets `kernel` launch with `bytes` of dynamic shared memory (past the 48 KB default) on the
-// current device. The driver is asked the first time a kernel wants a size on a device, not on
-// every launch (kernels whose size varies with their arguments: launch_kernel_optin).
-// Thread-safe; a call that throws is made again next time.
+// Lets `kernel` launch with up to `bytes` of dynamic shared memory (past the 48 KB default) on
+// the current device. The limit only ever rises: the driver is asked when a kernel wants more
+// than it was allowed on that device so far, not on every launch (and never lowered, which
+// would fail a later launch of a larger size). Thread-safe; a call that throws is made again
+// next time.
 template <typename... Params>
 void allow_dynamic_smem(void (*kernel)(Params...), int bytes) {
   static std::mutex mu;
-  static std::set<std::tuple<void (*)(Params...), int, int>> allowed;
-  const std::tuple<void (*)(Params...), int, int> key{kernel, c10::cuda::current_device(), bytes};
+  static std::map<std::pair<void (*)(Params...), int>, int> allowed;
+  const std::pair<void (*)(Params...), int> key{kernel, c10::cuda::current_device()};
   {
     const std::lock_guard<std::mutex> lock(mu);
-    if (allowed.count(key)) return;
+    const auto it = allowed.find(key);
+    if (it != allowed.end() && it->second >= bytes) return;
   }
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   const std::lock_guard<std::mutex> lock(mu);
-  allowed.insert(key);
+  int& limit = allowed[key];
+  limit = std::max(limit, bytes);
+}
+
+// launch_kernel for dynamic shared memory past the 48 KB default, which a kernel gets only
+// after raising its own limit (smem varies with the arguments).
+template <typename... Params, typename... Args>
+void launch_kernel_optin(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                         Args&&... args) {
+  allow_dynamic_smem(kernel, static_cast<int>(smem));
+  launch_kernel(kernel, grid, block, smem, std::forward<Args>(args)...);
 }
 
 // ask() for device `dev`, asked once per device and kept: a store per call site (each lambda
