@@ -724,19 +724,14 @@ __global__ void __launch_bounds__(128) merge_splits_kernel(const VerifyParams<T>
   const int64_t row = blockIdx.x;
   const int tid = threadIdx.x, parts = gridDim.y;
   const int stream_lanes = 128 / parts, stream = tid / stream_lanes;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // Launched behind the seesaw or portable kernel as a programmatic dependent: its partials
-  // are complete and visible only after this (a no-op after an ordinary launch).
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
   // Partial s of this row is partial row first + s * step (+ tail for s = 0), if it was
   // written (has). Equal splits: constants every thread knows (as compile-time as they can be:
   // through shared memory they cost batch-1 merges about a microsecond on an H200).
   int n = p.splits;
   int64_t first = row, step = p.rows_total, tail = 0;
+  int c_first = 0;
+  BalancedWork w{};
   if (tid < 32) {
-    int c_first = 0;
-    BalancedWork w{};
     if constexpr (Balanced) {
       const int64_t t = row / p.heads;
       auto at_row = [&](int64_t q0, int64_t q1, int64_t, int64_t) { return t >= q0 && t < q1; };
@@ -756,6 +751,15 @@ __global__ void __launch_bounds__(128) merge_splits_kernel(const VerifyParams<T>
         if (share_begin(w.work, p.balanced, c_first) < unit_start) tail = p.tile_rows;
       }
     }
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Launched behind the seesaw or portable kernel as a programmatic dependent: its partials
+  // are complete and visible only after this (a no-op after an ordinary launch). Which
+  // partials a row has comes from the batch's index arrays, written before that kernel
+  // started: found above, under its last CTAs.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+  if (tid < 32) {
     // Under the balanced schedule a CTA with an empty share (W_r < G) wrote nothing.
     auto has = [&](int s) {
       return !Balanced || share_begin(w.work, p.balanced, c_first + s) < share_begin(w.work, p.balanced, c_first + s + 1);
