@@ -1079,17 +1079,16 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   // One CTA a plane takes each of the plane's units whole and writes the output itself: no
   // partials, and no merge, whose blocks would only find that out (1 x 128 x 65 @32k on the
   // balanced schedule, H100: 39 us of merge for nothing).
-  const bool balanced_partials = balanced && plane_ctas > 1;
+  const bool merge = balanced ? plane_ctas > 1 : splits > 1;
   at::Tensor part_o, part_lse;
-  if (balanced_partials) {
+  if (merge && balanced) {
     const int64_t partials = planes * plane_ctas * 2;  // share_partial
     part_o = at::empty({partials * rows, kDv}, q.options().dtype(at::kFloat));
     part_lse = at::empty({partials * rows}, q.options().dtype(at::kFloat));
-  } else if (!balanced && splits > 1) {
+  } else if (merge) {
     part_o = at::empty({splits, T * H, kDv}, q.options().dtype(at::kFloat));
     part_lse = at::empty({splits, T * H}, q.options().dtype(at::kFloat));
   }
-  const bool merge = balanced ? balanced_partials : splits > 1;
 
   dispatch_half(q.scalar_type(), "q", [&](auto tag) {
     using T_ = decltype(tag);
