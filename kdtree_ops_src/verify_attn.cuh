@@ -255,12 +255,12 @@ __device__ __forceinline__ void find_row_tile(const VerifyParams<T>& p, int tile
 // CTA c takes [c W_r / G, (c + 1) W_r / G). Equal shares, and the CTAs of one c read the same
 // keys of a request's row tiles at the same time (L2 serves all but the first); the grid puts
 // them side by side in launch order (planes first: on an H100 and an H200 the grid (G, planes)
-// ran 1-7% slower). A share walks
-// one or more segments (a run of chunks of one "unit" (request, row tile)); a segment that
-// holds its whole unit writes the output. Only a share's first and last segments can hold
-// part of a unit (the ones between are whole), so a CTA writes at most two partials: rows
-// [64 id, +64) of id = 2 (r G + c) for its first segment and 2 (r G + c) + 1 for its last
-// (share_partial); the merge sums a unit's partials over the CTAs whose shares meet it.
+// ran 1-7% slower). A share walks one or more segments (a run of chunks of one "unit"
+// (request, row tile)); a segment that holds its whole unit writes the output. Only a share's
+// first and last segments can hold part of a unit (the ones between are whole), so a CTA
+// writes at most two partials: rows [64 id, +64) of id = 2 (r G + c) for its first segment and
+// 2 (r G + c) + 1 for its last (share_partial); the merge sums a unit's partials over the CTAs
+// whose shares meet it.
 constexpr int kChunkKeys = 128;
 struct BalancedWork {
   int b;          // the request found: kNoWork if none, kMalformedBatch for a bad batch (find_row_tile's test)
