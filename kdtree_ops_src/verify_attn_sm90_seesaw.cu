@@ -10,7 +10,10 @@
 //    on an index load. A 16-bit pool's tile of 64 consecutive slots (page size 1 does not
 //    promise them, but paged pools and long prompts give them) lands as tensor-map boxes,
 //    each 64-dim column block on a barrier of its own, which the consumers wait for block by
-//    block.
+//    block. Where three or more row tiles of a request read the same keys, the first one's
+//    CTA also asks L2 for the next pair's boxes (tensor-map prefetch), so that its CTAs meet
+//    L2 rather than HBM (H100: 1x16x9 and 8x16x9 2-5% faster, 18 or more row tiles within
+//    noise; with two row tiles, 64x128x1 @8k, 6-10% slower, so not there).
 //  - WG0 and WG1, the consumers: WG0 computes S = Q K^T for the even tile of each pair (K
 //    buffer 0), WG1 for the odd tile (buffer 1), each with the full 64 x 64 x 576 product.
 //    WG0 owns O[:, 0:256), WG1 O[:, 256:512). Each runs the softmax of its own tile and
@@ -271,6 +274,12 @@ __device__ __forceinline__ void box_load(uint32_t dst, const CUtensorMap* map, i
       : "memory");
 }
 
+__device__ __forceinline__ void box_prefetch(const CUtensorMap* map, int dim, int slot) {
+  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];\n" ::"l"(reinterpret_cast<uint64_t>(map)),
+               "r"(dim), "r"(slot)
+               : "memory");
+}
+
 // Whether this CTA's first tile is 64 prefix slots that look consecutive (its last is its
 // first + 63): the CTA then takes the boxed producer, which checks every tile in full.
 template <typename T, typename Idx>
@@ -291,7 +300,7 @@ template <bool Boxable, typename T, typename Idx, typename SlotOf>
 __device__ __forceinline__ void produce_rows(const VerifyParams<T>& p, const CUtensorMap* kv_map, uint32_t sK,
                                              SlotOf slot_of, const Idx* kv_indices, int q_begin, int prefix,
                                              int key_begin, int key_end, int n_pairs, uint32_t pair_base, int lt,
-                                             uint32_t bar_q, bool& bad) {
+                                             uint32_t bar_q, bool& bad, bool lead) {
   const int grp = lt >> 3, ck = lt & 7;
   const uint32_t dst = grp * 128 + ((ck ^ (grp & 7)) << 4);  // (grp + 16 j) & 7 == grp & 7
   auto bar_ready = [&](int buf, int half) { return k_ready_bar(bar_q, buf, half); };
@@ -329,6 +338,22 @@ __device__ __forceinline__ void produce_rows(const VerifyParams<T>& p, const CUt
     return named_sync_or(kBarRun, kWgThreads, !mine) ? -1 : static_cast<int>(first);
   };
 
+  // Lead: this CTA asks L2 for the boxes of the pair after the one it copies (lane 0 of warp
+  // 1, so thread 0's boxes never wait behind it), their edge slots loaded a pair earlier. Held
+  // as int: a boxed slot is a tensor-map coordinate, below 2^31. Not over int64 indices: there
+  // the producer's 56 registers spill with it.
+  const bool pf_lane = sizeof(Idx) == 4 && lead && lt == 32;
+  int pf_first[2] = {-1, -1}, pf_last[2] = {0, 0};
+  auto pf_load = [&](int pr) {
+#pragma unroll
+    for (int tl = 0; tl < 2; ++tl) {
+      const int key0 = key_begin + pr * kPairKeys + tl * kTileKeys;
+      const bool in = key0 + kTileKeys <= unmasked_end;
+      pf_first[tl] = in ? static_cast<int>(__ldg(kv_indices + key0)) : -1;
+      pf_last[tl] = in ? static_cast<int>(__ldg(kv_indices + key0 + kTileKeys - 1)) : 0;
+    }
+  };
+  if (Boxable && pf_lane) pf_load(1);
   auto copy_loop = [&](auto boxed_loop) {
     constexpr bool Boxed = decltype(boxed_loop)::value;
     // The phase before a barrier's first counts as complete; the phases run on across segments.
@@ -371,6 +396,13 @@ __device__ __forceinline__ void produce_rows(const VerifyParams<T>& p, const CUt
       };
       // The order the consumers read them: WG0 dims 0-255 then 256-575 of the even tile; WG1
       // 256-575 then 0-255 of the odd one (its dims 0-255 are freed last, by WG0's P V).
+      if (Boxed && pf_lane) {
+#pragma unroll
+        for (int tl = 0; tl < 2; ++tl)
+          if (pf_first[tl] >= 0 && pf_last[tl] - pf_first[tl] == kTileKeys - 1)
+            for (int cb = 0; cb < kCols; ++cb) box_prefetch(kv_map, cb * 64, pf_first[tl]);
+        pf_load(pr + 2);
+      }
       if constexpr (Boxed) run[0] = find_run(pr, 0);
       mbar_wait(bar_free(0, 0), free_parity);
       copy(0, 0);
@@ -468,7 +500,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                     bad, beyond);
       } else {
         produce_rows<Boxable>(p, &kv_map, sK, slot_of, kv_indices, q_begin, prefix, key_begin, key_end, n_pairs,
-                              pair_base, lt, bar_q, bad);
+                              pair_base, lt, bar_q, bad, row0 == 0 && rows_b > 2 * kRows);
       }
       if constexpr (Balanced) {
         if (lt < 32) {
