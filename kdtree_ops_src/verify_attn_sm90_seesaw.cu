@@ -339,9 +339,8 @@ __device__ __forceinline__ void produce_rows(const VerifyParams<T>& p, const CUt
   };
 
   // Lead: this CTA asks L2 for the boxes of the pair after the one it copies (lane 0 of warp
-  // 1, so thread 0's boxes never wait behind it), their edge slots loaded a pair earlier. Held
-  // as int: a boxed slot is a tensor-map coordinate, below 2^31. Not over int64 indices: there
-  // the producer's 56 registers spill with it.
+  // 1, so thread 0's boxes never wait behind it), their edge slots loaded a pair earlier. Only
+  // over int32 indices: over int64 the producer's 56 registers spill with it.
   const bool pf_lane = sizeof(Idx) == 4 && lead && lt == 32;
   int pf_first[2] = {-1, -1}, pf_last[2] = {0, 0};
   auto pf_load = [&](int pr) {
@@ -394,15 +393,15 @@ __device__ __forceinline__ void produce_rows(const VerifyParams<T>& p, const CUt
           cp_async_arrive(bar_ready(tl, half));
         }
       };
-      // The order the consumers read them: WG0 dims 0-255 then 256-575 of the even tile; WG1
-      // 256-575 then 0-255 of the odd one (its dims 0-255 are freed last, by WG0's P V).
       if (Boxed && pf_lane) {
 #pragma unroll
         for (int tl = 0; tl < 2; ++tl)
-          if (pf_first[tl] >= 0 && pf_last[tl] - pf_first[tl] == kTileKeys - 1)
+          if (pf_first[tl] >= 0 && static_cast<unsigned>(pf_last[tl]) - static_cast<unsigned>(pf_first[tl]) == kTileKeys - 1)
             for (int cb = 0; cb < kCols; ++cb) box_prefetch(kv_map, cb * 64, pf_first[tl]);
         pf_load(pr + 2);
       }
+      // The order the consumers read them: WG0 dims 0-255 then 256-575 of the even tile; WG1
+      // 256-575 then 0-255 of the odd one (its dims 0-255 are freed last, by WG0's P V).
       if constexpr (Boxed) run[0] = find_run(pr, 0);
       mbar_wait(bar_free(0, 0), free_parity);
       copy(0, 0);
