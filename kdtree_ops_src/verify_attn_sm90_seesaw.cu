@@ -280,12 +280,17 @@ __device__ __forceinline__ void box_prefetch(const CUtensorMap* map, int dim, in
                : "memory");
 }
 
-// Whether this CTA's first tile is 64 prefix slots that look consecutive (its last is its
-// first + 63): the CTA then takes the boxed producer, which checks every tile in full.
+// Whether a tile of prefix slots first .. last looks like 64 consecutive pool rows (only its
+// ends read: a hint, which the boxed producer checks in full before it issues boxes).
+template <typename Idx>
+__device__ __forceinline__ bool looks_consecutive(Idx first, Idx last) {
+  return first >= 0 && static_cast<uint64_t>(last) - static_cast<uint64_t>(first) == kTileKeys - 1;
+}
+// Whether this CTA's first tile looks consecutive: the CTA then takes the boxed producer.
 template <typename T, typename Idx>
 __device__ __forceinline__ bool kv_runs(const Idx* kv_indices, int prefix, int key_begin, int key_end) {
   if (key_begin + kTileKeys > min(prefix, key_end)) return false;
-  return __ldg(kv_indices + key_begin + kTileKeys - 1) - __ldg(kv_indices + key_begin) == kTileKeys - 1;
+  return looks_consecutive(__ldg(kv_indices + key_begin), __ldg(kv_indices + key_begin + kTileKeys - 1));
 }
 
 // The producer over a bf16/fp16 pool. Thread (group grp, chunk ck) copies rows grp + 16 j
@@ -396,7 +401,7 @@ __device__ __forceinline__ void produce_rows(const VerifyParams<T>& p, const CUt
       if (Boxed && pf_lane) {
 #pragma unroll
         for (int tl = 0; tl < 2; ++tl)
-          if (pf_first[tl] >= 0 && static_cast<unsigned>(pf_last[tl]) - static_cast<unsigned>(pf_first[tl]) == kTileKeys - 1)
+          if (looks_consecutive(pf_first[tl], pf_last[tl]))
             for (int cb = 0; cb < kCols; ++cb) box_prefetch(kv_map, cb * 64, pf_first[tl]);
         pf_load(pr + 2);
       }
