@@ -287,7 +287,7 @@ __device__ __forceinline__ bool looks_consecutive(Idx first, Idx last) {
   return first >= 0 && static_cast<uint64_t>(last) - static_cast<uint64_t>(first) == kTileKeys - 1;
 }
 // Whether this CTA's first tile looks consecutive: the CTA then takes the boxed producer.
-template <typename T, typename Idx>
+template <typename Idx>
 __device__ __forceinline__ bool kv_runs(const Idx* kv_indices, int prefix, int key_begin, int key_end) {
   if (key_begin + kTileKeys > min(prefix, key_end)) return false;
   return looks_consecutive(__ldg(kv_indices + key_begin), __ldg(kv_indices + key_begin + kTileKeys - 1));
@@ -328,7 +328,7 @@ __device__ __forceinline__ void produce_rows(const VerifyParams<T>& p, const CUt
 #pragma unroll
   for (int i = 0; i < 8; ++i) slot[i] = slot_of(key_of(0, i));
   // The test's two loads go out behind the slots' loads: one memory latency before the first copy.
-  const bool boxed = Boxable && kv_runs<T>(kv_indices, prefix, key_begin, key_end);
+  const bool boxed = Boxable && kv_runs(kv_indices, prefix, key_begin, key_end);
   // Boxed: the first slot of each tile of the pair where its slots run consecutively inside
   // the pool, else -1. All 128 threads agree (one barrier), so one of them issues the boxes.
   int run[2] = {-1, -1};
@@ -539,7 +539,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       float q_factor = 1.f;
       // Which copy loop the producer runs (the same test): its two loads go out before Q's wait.
       const bool block_bars =
-          Boxable && kv_runs<T>(static_cast<const Idx*>(p.kv_indices) + kv_begin, prefix, key_begin, key_end);
+          Boxable && kv_runs(static_cast<const Idx*>(p.kv_indices) + kv_begin, prefix, key_begin, key_end);
       const uint32_t pair_base = block_bars ? block_pairs : half_pairs;
       mbar_wait(bar_q, k & 1);
       if constexpr (Fp8 && std::is_same_v<T, __nv_bfloat16>) {
