@@ -792,12 +792,14 @@ __global__ void __launch_bounds__(kThreads, 1)
           wgmma_commit();
           store_p(sP1, ps);
           fence_proxy_async();
-          named_arrive(kBarP1, kConsumers);
-          // O[:, 256:512) += P0 V0
+          // O[:, 256:512) += P0 V0. P1 goes to WG0 only once these products are issued: the
+          // tensor pipe then runs them before WG0's P1 V1 and next Q K^T, and dims 256-575 of
+          // the even tile, which WG0's next Q K^T reads second, free (and refill) that much earlier.
           named_sync(kBarP0, kConsumers);
           wgmma_fence();
           issue_pv_ss<M>(o, sP0, v0);
           wgmma_commit();
+          named_arrive(kBarP1, kConsumers);
           wgmma_wait<1>();
           mbar_arrive(bar_free(1, 1));
           wgmma_wait<0>();
