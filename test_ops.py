@@ -1338,32 +1338,34 @@ SLOT_LAYOUTS = ["pages", "pages_one_swap", "full_pool", "runs"]
 @pytest.mark.parametrize("layout", SLOT_LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_verify_attn_cuda_slot_layouts(verify_kernel, layout, dtype, index_dtype):
+@pytest.mark.parametrize("pool", ["q_dtype", "uint8"])
+def test_verify_attn_cuda_slot_layouts(verify_kernel, layout, dtype, index_dtype, pool):
     """Prefixes in consecutive slots (whole pages, a page with one pair swapped, pages up to the
     pool's last row, runs of random length that tiles straddle), which the seesaw kernel loads
     in tensor-map boxes where a 64-key tile's slots run consecutively; one-row-tile splits and
-    tree tiles among them."""
-    case = make_verify_case([4000, 64, 129, 1, 700], [9, 4, 1, 16, 3], 16, dtype=dtype, index_dtype=index_dtype,
-                            slots=layout)
-    out, lse = kdtree_ops.verify_attn(*verify_args(case))
-    assert_verify_close(out, lse, case)
-    out2, lse2 = kdtree_ops.verify_attn(*verify_args(case), max_kv_len=4000)
-    assert_verify_close(out2, lse2, case)
+    tree tiles among them; 16-bit and fp8 pools."""
+    case, kw, ref = with_pool(make_verify_case([4000, 64, 129, 1, 700], [9, 4, 1, 16, 3], 16, dtype=dtype,
+                                               index_dtype=index_dtype, slots=layout), pool)
+    out, lse = kdtree_ops.verify_attn(*verify_args(case), **kw)
+    assert_verify_close(out, lse, ref)
+    out2, lse2 = kdtree_ops.verify_attn(*verify_args(case), max_kv_len=4000, **kw)
+    assert_verify_close(out2, lse2, ref)
 
 
 @needs_gpu
 @pytest.mark.parametrize("layout", SLOT_LAYOUTS)
-def test_verify_attn_cuda_boxes_change_no_bits(layout, monkeypatch):
-    """Boxed and per-slot loads put the same bytes in the same place: the outputs are equal
-    bit for bit with the boxes on and off (KDTREE_VERIFY_TMA=0)."""
+@pytest.mark.parametrize("pool", ["q_dtype", "uint8"])
+def test_verify_attn_cuda_boxes_change_no_bits(layout, pool, monkeypatch):
+    """Boxed and per-slot loads put the same values in the same place: the outputs are equal
+    bit for bit with the boxes on and off (KDTREE_VERIFY_TMA=0), over 16-bit and fp8 pools."""
     for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA", "KDTREE_VERIFY_ROWS", "KDTREE_VERIFY_TMA"):
         monkeypatch.delenv(name, raising=False)
-    case = make_verify_case([12000, 300, 64], [9, 1, 5], 16, slots=layout)
-    out, lse = kdtree_ops.verify_attn(*verify_args(case), max_kv_len=12000)
+    case, kw, ref = with_pool(make_verify_case([12000, 300, 64], [9, 1, 5], 16, slots=layout), pool)
+    out, lse = kdtree_ops.verify_attn(*verify_args(case), max_kv_len=12000, **kw)
     monkeypatch.setenv("KDTREE_VERIFY_TMA", "0")
-    out0, lse0 = kdtree_ops.verify_attn(*verify_args(case), max_kv_len=12000)
+    out0, lse0 = kdtree_ops.verify_attn(*verify_args(case), max_kv_len=12000, **kw)
     assert torch.equal(out, out0) and torch.equal(lse, lse0)
-    assert_verify_close(out, lse, case)
+    assert_verify_close(out, lse, ref)
 
 
 @pytest.mark.skipif(not GPU or torch.cuda.get_device_capability() != (9, 0), reason="the Hopper kernels serve sm_90 only")
@@ -1372,7 +1374,8 @@ def test_verify_attn_cuda_boxes_change_no_bits(layout, monkeypatch):
     ("q_dtype", "", 12000, 12000, "false, true"),  # 3 row tiles x 44 splits of 273 keys: 2+ tile pairs a CTA
     ("q_dtype", "", 4096, 4096, "false, false"),  # the hint caps splits at 32 of 128 keys: one pair, no boxes
     ("q_dtype", "0", 3000, None, "false, false"),  # KDTREE_VERIFY_TMA=0: per-slot copies only
-    ("uint8", "", 3000, None, "true, false"),  # an fp8 pool: no boxes
+    ("uint8", "", 3000, None, "true, true"),  # an fp8 pool: boxes of e4m3 bytes
+    ("uint8", "0", 3000, None, "true, false"),
 ])
 def test_verify_attn_cuda_sm90_boxable_instance(pool, tma, prefix, hint, want, monkeypatch):
     """Which seesaw instance serves a call, read off the kernel's template arguments (Fp8,

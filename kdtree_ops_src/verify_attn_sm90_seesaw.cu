@@ -154,6 +154,19 @@ __device__ __forceinline__ uint64_t v_desc(uint32_t kbuf, int half) {
 static_assert(kChunkKeys == kPairKeys, "the balanced schedule's chunk is a tile pair");
 static_assert(sizeof(Segment) <= kSegBytes && kOffSeg % alignof(Segment) == 0);
 
+// Loads of K rows in 2D tensor-map boxes (cp.async.bulk.tensor) of 64 slots x 128 bytes (64
+// dims of a 16-bit pool, 128 of an fp8 one), landing in the 128-byte swizzle the K buffers use,
+// completing on `bar` by bytes.
+__device__ __forceinline__ void mbar_expect_bytes(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void box_load(uint32_t dst, const CUtensorMap* map, int dim, int slot, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(dim), "r"(slot), "r"(bar)
+      : "memory");
+}
+
 // The producer over an fp8 pool (Fp8Math). Thread lt owns a row r of each tile and dims
 // [16 hh, +16) and [32 + 16 hh, +16) (hh = 0 or 1) of each 64-dim column block: four 16-byte
 // chunks of the swizzled K buffer, so that the two threads of a row copy whole 32-byte
@@ -167,11 +180,18 @@ static_assert(sizeof(Segment) <= kSegBytes && kOffSeg % alignof(Segment) == 0);
 // copies (its buffer freed) or widen the oldest half in flight (landed). Widening a half
 // only after the next one's buffer is free would chain each odd tile's S to the even
 // tile's P V and undo the seesaw.
-template <typename T, typename SlotOf>
-__device__ __forceinline__ void produce_fp8(const VerifyParams<T>& p, uint32_t sK, uint8_t* k_smem, SlotOf slot_of,
-                                            int q_begin, int prefix, int key_begin, int key_end, int n_pairs,
-                                            uint32_t pair_base, int lt, uint32_t bar_q, bool& bad, bool& beyond) {
-  using Idx = decltype(slot_of(0));
+// Boxed (kv_map set): a prefix tile whose 64 slots are consecutive rows of the pool lands as
+// tensor-map boxes of 64 rows x 128 bytes (two column blocks' e4m3 bytes; the last box's second
+// half is past the row, zeros), each in the first of its two column blocks with the K buffers'
+// 128-byte swizzle: 5 instructions instead of 2,304 16-byte copies. Each warp widens 16 rows
+// of a box into its two column blocks (see widen). Every warp votes on the tile's 64 slots by
+// itself, so the warps agree without a barrier; in this loop the producer's polls are
+// warp-uniform, so a warp stays converged for the widening's syncwarp.
+template <bool Boxed, typename T, typename Idx, typename SlotOf>
+__device__ __forceinline__ void produce_fp8(const VerifyParams<T>& p, const CUtensorMap* kv_map, uint32_t sK,
+                                            uint8_t* k_smem, SlotOf slot_of, const Idx* kv_indices, int q_begin,
+                                            int prefix, int key_begin, int key_end, int n_pairs, uint32_t pair_base,
+                                            int lt, uint32_t bar_q, bool& bad, bool& beyond) {
   // Lanes 0-7 of a warp: rows 8 w' .. 8 w' + 7 with hh = 0, lanes 8-15 the same rows with hh = 1
   // (w' = 2 warp + lane / 16): each 16-byte access phase of 8 lanes meets 8 distinct swizzled
   // chunks, and one copy instruction reads whole sectors.
@@ -186,10 +206,41 @@ __device__ __forceinline__ void produce_fp8(const VerifyParams<T>& p, uint32_t s
   auto tile_of = [](int h) { return h & 1; };
   auto half_of = [](int h) { return (h ^ (h >> 1)) & 1; };
   Idx slot0 = slot_of(key_of(0, 0)), slot1 = slot_of(key_of(0, 1));  // scalars: no runtime-indexed array
+  // Boxed: whether each tile of the pair has its 64 slots running consecutively inside the
+  // pool; found as a tile's first half is issued and kept for its second half and both
+  // widenings (a tile's next first half is issued only after both are ready). Thread 0, which
+  // issues the boxes, holds row 0's slot: the run's first.
+  bool run0 = false, run1 = false;
+  const int unmasked_end = min(prefix, key_end);
+  auto find_run = [&](int pr, int tl) {
+    const int key0 = key_begin + pr * kPairKeys + tl * kTileKeys;
+    if (key0 + kTileKeys > unmasked_end) return false;  // CTA-uniform
+    // In L1: the rows' own slots were loaded from these lines half a pair ago.
+    const int lane = lt & 31;
+    const Idx lo = __ldg(kv_indices + key0 + lane), hi = __ldg(kv_indices + key0 + 32 + lane);
+    const Idx first = __shfl_sync(0xffffffffu, lo, 0);
+    const bool ok = first >= 0 && static_cast<uint64_t>(first) + kTileKeys <= static_cast<uint64_t>(p.kv_rows) &&
+                    lo == first + lane && hi == first + 32 + lane;
+    return __all_sync(0xffffffffu, ok) != 0;
+  };
   auto issue = [&](int pr, int h) {
     const int tl = tile_of(h), cb0 = half_of(h) ? 4 : 0, cb1 = half_of(h) ? kCols : 4;
     const int key = key_of(pr, tl);
     const uint32_t base = sK + tl * kTileBytes;
+    const uint32_t landed = bars + 64 + 8 * (2 * tl + half_of(h));
+    if constexpr (Boxed) {
+      if (h < 2) (tl ? run1 : run0) = find_run(pr, tl);
+      if (tl ? run1 : run0) {
+        if (lt == 0) {
+          const int first = static_cast<int>(tl ? slot1 : slot0);
+          mbar_expect_bytes(landed, (cb1 - cb0 + 1) / 2 * kBlockBytes);  // a box is a block's bytes
+          for (int cb = cb0; cb < cb1; cb += 2) box_load(base + cb * kBlockBytes, kv_map, cb * 64, first, landed);
+        } else {
+          mbar_arrive(landed);
+        }
+        return;
+      }
+    }
     if (key < prefix && key < key_end) {
       const uint8_t* src = p.kv8 + static_cast<int64_t>(checked_slot(p, tl ? slot1 : slot0, bad)) * p.kv_stride + hh * 16;
 #pragma unroll
@@ -205,12 +256,35 @@ __device__ __forceinline__ void produce_fp8(const VerifyParams<T>& p, uint32_t s
 #pragma unroll
         for (int i = 0; i < 4; ++i) cp_async16(base + cb * kBlockBytes + chunk(i), src + cb * 64 + (i & 1) * 8 + (i >> 1) * 32, valid);
     }
+    cp_async_arrive(landed);
   };
   auto widen = [&](int pr, int h) {
     const int tl = tile_of(h), cb0 = half_of(h) ? 4 : 0, cb1 = half_of(h) ? kCols : 4;
     const int key = key_of(pr, tl);
     uint8_t* base = k_smem + tl * kTileBytes;
-    if (key < prefix && key < key_end) {
+    if (Boxed && (tl ? run1 : run0)) {
+      // A box sits in column block cb (the first of its two): its 128 bytes of row `row` are 8
+      // chunks, e4m3 dims 0-63 of the pair in chunks 0-3, 64-127 in 4-7. Lane part 0 takes
+      // chunks 0-1 and 4-5 of the row, part 1 chunks 2-3 and 6-7. Chunks 4-7 are widened first,
+      // into block cb + 1 (free); then chunks 0-3 in place, after the warp's syncwarp: the
+      // in-place stores of part 1 overwrite chunks 4-7, which its rows' part 0 lanes read too.
+      const int row = 16 * (lt >> 5) + (lt & 15), part = (lt >> 4) & 1, sw = row & 7;
+      auto at = [&](uint8_t* line, int c) { return reinterpret_cast<uint4*>(line + ((c ^ sw) << 4)); };
+      auto put = [&](uint8_t* line, uint4 v0, uint4 v1) {  // 16 e4m3 values -> f16 chunks 4 part .. + 3
+        *at(line, 4 * part) = widen_e4m3x8(make_uint2(v0.x, v0.y));
+        *at(line, 4 * part + 1) = widen_e4m3x8(make_uint2(v0.z, v0.w));
+        *at(line, 4 * part + 2) = widen_e4m3x8(make_uint2(v1.x, v1.y));
+        *at(line, 4 * part + 3) = widen_e4m3x8(make_uint2(v1.z, v1.w));
+      };
+#pragma unroll
+      for (int cb = cb0; cb < cb1; cb += 2) {
+        uint8_t* line = base + cb * kBlockBytes + row * 128;
+        if (cb + 1 < kCols) put(line + kBlockBytes, *at(line, 4 + 2 * part), *at(line, 5 + 2 * part));
+        const uint4 v0 = *at(line, 2 * part), v1 = *at(line, 2 * part + 1);
+        __syncwarp();
+        put(line, v0, v1);
+      }
+    } else if (key < prefix && key < key_end) {
 #pragma unroll
       for (int cb = cb0; cb < cb1; ++cb) {
         uint8_t* blk = base + cb * kBlockBytes;
@@ -235,15 +309,18 @@ __device__ __forceinline__ void produce_fp8(const VerifyParams<T>& p, uint32_t s
     // (fp8 pools 1-2% slower on an H200 with it).
     mbar_arrive(bars + 8 * (2 * tl + half_of(h)));
   };
+  auto poll = [](uint32_t bar, uint32_t parity) {
+    if constexpr (Boxed) return __all_sync(0xffffffffu, mbar_test(bar, parity)) != 0;
+    else return mbar_test(bar, parity);
+  };
   const int total = 4 * n_pairs;  // halves, in consumer order
   int issued = 0, widened = 0;
   while (widened < total) {
     bool progressed = false;
     if (issued < total) {
       const int pr = issued >> 2, h = issued & 3, sidx = 2 * tile_of(h) + half_of(h);
-      if (mbar_test(bars + 32 + 8 * sidx, ((pair_base + pr) & 1) ^ 1)) {  // a fresh barrier's "previous phase" is complete
+      if (poll(bars + 32 + 8 * sidx, ((pair_base + pr) & 1) ^ 1)) {  // a fresh barrier's "previous phase" is complete
         issue(pr, h);
-        cp_async_arrive(bars + 64 + 8 * sidx);
         if (h == 2) slot0 = slot_of(key_of(pr + 1, 0));
         if (h == 3) slot1 = slot_of(key_of(pr + 1, 1));
         ++issued;
@@ -252,7 +329,7 @@ __device__ __forceinline__ void produce_fp8(const VerifyParams<T>& p, uint32_t s
     }
     if (widened < issued) {
       const int pr = widened >> 2, h = widened & 3;
-      if (mbar_test(bars + 64 + 8 * (2 * tile_of(h) + half_of(h)), (pair_base + pr) & 1)) {
+      if (poll(bars + 64 + 8 * (2 * tile_of(h) + half_of(h)), (pair_base + pr) & 1)) {
         widen(pr, h);
         ++widened;
         progressed = true;
@@ -260,18 +337,6 @@ __device__ __forceinline__ void produce_fp8(const VerifyParams<T>& p, uint32_t s
     }
     if (!progressed) __nanosleep(20);
   }
-}
-
-// Loads of 16-bit K rows in 2D tensor-map boxes (cp.async.bulk.tensor): 64 slots x 64 dims,
-// landing in the 128-byte swizzle the K buffers use, completing on `bar` by bytes.
-__device__ __forceinline__ void mbar_expect_bytes(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void box_load(uint32_t dst, const CUtensorMap* map, int dim, int slot, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(dim), "r"(slot), "r"(bar)
-      : "memory");
 }
 
 __device__ __forceinline__ void box_prefetch(const CUtensorMap* map, int dim, int slot) {
@@ -433,7 +498,7 @@ __device__ __forceinline__ void produce_rows(const VerifyParams<T>& p, const CUt
 
 #endif  // sm_90a
 
-// Boxable: a 16-bit pool with kv_map describing it (see launch_verify_attn_seesaw). Balanced:
+// Boxable: a pool with kv_map describing it (see launch_verify_attn_seesaw). Balanced:
 // the balanced schedule (p.balanced > 0), segment after segment; otherwise the CTA's one split,
 // and none of that schedule's code: in the equal-split instances it cost batch-1 launches
 // (which never run it) up to a fifth of their time on an H200.
@@ -500,8 +565,16 @@ __global__ void __launch_bounds__(kThreads, 1)
         return key < prefix && key < key_end ? __ldg(kv_indices + key) : Idx(0);
       };
       if constexpr (Fp8) {
-        produce_fp8(p, sK, smem + kOffK, slot_of, q_begin, prefix, key_begin, key_end, n_pairs, pair_base, lt, bar_q,
-                    bad, beyond);
+        auto produce = [&](auto boxed) {
+          produce_fp8<decltype(boxed)::value>(p, &kv_map, sK, smem + kOffK, slot_of, kv_indices, q_begin, prefix,
+                                              key_begin, key_end, n_pairs, pair_base, lt, bar_q, bad, beyond);
+        };
+        // As for 16-bit pools: scattered slots get a loop without the boxes' tests.
+        if (Boxable && kv_runs(kv_indices, prefix, key_begin, key_end)) {
+          if constexpr (Boxable) produce(std::true_type{});
+        } else {
+          produce(std::false_type{});
+        }
       } else {
         produce_rows<Boxable>(p, &kv_map, sK, slot_of, kv_indices, q_begin, prefix, key_begin, key_end, n_pairs,
                               pair_base, lt, bar_q, bad, row0 == 0 && rows_b > 2 * kRows);
@@ -538,8 +611,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float k_scale = Fp8 ? kv_scale(p) : 1.f;
       float q_factor = 1.f;
       // Which copy loop the producer runs (the same test): its two loads go out before Q's wait.
-      const bool block_bars =
-          Boxable && kv_runs(static_cast<const Idx*>(p.kv_indices) + kv_begin, prefix, key_begin, key_end);
+      const bool block_bars =  // an fp8 pool's boxes are widened, so ready by halves as its copies
+          Boxable && !Fp8 && kv_runs(static_cast<const Idx*>(p.kv_indices) + kv_begin, prefix, key_begin, key_end);
       const uint32_t pair_base = block_bars ? block_pairs : half_pairs;
       mbar_wait(bar_q, k & 1);
       if constexpr (Fp8 && std::is_same_v<T, __nv_bfloat16>) {
@@ -862,10 +935,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 }  // namespace
 
-// A tensor map of a 16-bit pool for the boxed producer: kv_rows rows of 576 elements, kv_stride
-// apart, read in 64 x 64 boxes with the K buffers' 128-byte swizzle. False where the driver or
-// the pool's layout allows none (base and row stride 16-byte aligned, rows < 2^31): the
-// kernel then copies by slot only.
+// A tensor map of the pool for the boxed producer: kv_rows rows of 576 elements, kv_stride
+// apart, read in boxes of 64 rows x 128 bytes (64 dims of a 16-bit pool, 128 of an fp8 one;
+// the fp8 pool's last box reads 64 bytes past the row's end as zeros) with the K buffers'
+// 128-byte swizzle. False where the driver or the pool's layout allows none (base and row
+// stride 16-byte aligned, rows < 2^31): the kernel then copies by slot only.
 template <typename T>
 bool encode_kv_map(const VerifyParams<T>& p, CUtensorMap& map) {
   static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
@@ -877,17 +951,20 @@ bool encode_kv_map(const VerifyParams<T>& p, CUtensorMap& map) {
     }
     return found == cudaDriverEntryPointSuccess ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn) : nullptr;
   }();
-  const int64_t row_bytes = p.kv_stride * static_cast<int64_t>(sizeof(T));
+  const bool fp8 = p.kv8 != nullptr;
+  const void* base = fp8 ? static_cast<const void*>(p.kv8) : static_cast<const void*>(p.kv);
+  const int64_t row_bytes = p.kv_stride * static_cast<int64_t>(fp8 ? 1 : sizeof(T));
   if (encode == nullptr || p.kv_rows < kTileKeys || p.kv_rows >= (int64_t{1} << 31) ||
-      reinterpret_cast<uintptr_t>(p.kv) % 16 != 0 || row_bytes % 16 != 0) {
+      reinterpret_cast<uintptr_t>(base) % 16 != 0 || row_bytes % 16 != 0) {
     return false;
   }
   cuuint64_t dims[2] = {kDqk, static_cast<cuuint64_t>(p.kv_rows)};
   cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_bytes)};
-  cuuint32_t box[2] = {64, kTileKeys}, steps[2] = {1, 1};
-  const CUtensorMapDataType type =
-      std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  return encode(&map, type, 2, const_cast<T*>(p.kv), dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
+  cuuint32_t box[2] = {fp8 ? 128u : 64u, kTileKeys}, steps[2] = {1, 1};
+  const CUtensorMapDataType type = fp8                                       ? CU_TENSOR_MAP_DATA_TYPE_UINT8
+                                   : std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                                      : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  return encode(&map, type, 2, const_cast<void*>(base), dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
@@ -896,14 +973,14 @@ bool encode_kv_map(const VerifyParams<T>& p, CUtensorMap& map) {
 template <typename T>
 void launch_verify_attn_seesaw(const VerifyParams<T>& p, bool idx32, bool boxes, dim3 grid, cudaStream_t stream) {
   CUtensorMap kv_map{};
-  const bool boxable = boxes && p.kv8 == nullptr && env_flag("KDTREE_VERIFY_TMA", true) && encode_kv_map(p, kv_map);
+  const bool boxable = boxes && env_flag("KDTREE_VERIFY_TMA", true) && encode_kv_map(p, kv_map);
   auto kernel = with_flag(p.balanced > 0, [&](auto balanced) {
     return with_flag(idx32, [&](auto i32) {
-      using Idx = SlotIndex<decltype(i32)>;
-      constexpr bool B = decltype(balanced)::value;
-      return p.kv8    ? verify_attn_seesaw_kernel<T, Idx, true, false, B>
-             : boxable ? verify_attn_seesaw_kernel<T, Idx, false, true, B>
-                       : verify_attn_seesaw_kernel<T, Idx, false, false, B>;
+      return with_flag(boxable, [&](auto bx) {
+        using Idx = SlotIndex<decltype(i32)>;
+        constexpr bool B = decltype(balanced)::value, Bx = decltype(bx)::value;
+        return p.kv8 ? verify_attn_seesaw_kernel<T, Idx, true, Bx, B> : verify_attn_seesaw_kernel<T, Idx, false, Bx, B>;
+      });
     });
   });
   allow_dynamic_smem(kernel, kSmemBytes);
