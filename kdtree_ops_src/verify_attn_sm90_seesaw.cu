@@ -167,6 +167,15 @@ __device__ __forceinline__ void box_load(uint32_t dst, const CUtensorMap* map, i
       : "memory");
 }
 
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ void sts128(uint32_t addr, uint4 v) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
 // The producer over an fp8 pool (Fp8Math). Thread lt owns a row r of each tile and dims
 // [16 hh, +16) and [32 + 16 hh, +16) (hh = 0 or 1) of each 64-dim column block: four 16-byte
 // chunks of the swizzled K buffer, so that the two threads of a row copy whole 32-byte
@@ -268,19 +277,21 @@ __device__ __forceinline__ void produce_fp8(const VerifyParams<T>& p, const CUte
       // chunks 0-1 and 4-5 of the row, part 1 chunks 2-3 and 6-7. Chunks 4-7 are widened first,
       // into block cb + 1 (free); then chunks 0-3 in place, after the warp's syncwarp: the
       // in-place stores of part 1 overwrite chunks 4-7, which its rows' part 0 lanes read too.
-      const int row = 16 * (lt >> 5) + (lt & 15), part = (lt >> 4) & 1, sw = row & 7;
-      auto at = [&](uint8_t* line, int c) { return reinterpret_cast<uint4*>(line + ((c ^ sw) << 4)); };
-      auto put = [&](uint8_t* line, uint4 v0, uint4 v1) {  // 16 e4m3 values -> f16 chunks 4 part .. + 3
-        *at(line, 4 * part) = widen_e4m3x8(make_uint2(v0.x, v0.y));
-        *at(line, 4 * part + 1) = widen_e4m3x8(make_uint2(v0.z, v0.w));
-        *at(line, 4 * part + 2) = widen_e4m3x8(make_uint2(v1.x, v1.y));
-        *at(line, 4 * part + 3) = widen_e4m3x8(make_uint2(v1.z, v1.w));
+      const int row = 16 * (lt >> 5) + (lt & 15), part = (lt >> 4) & 1;
+      // Chunk c of a row's swizzled 128-byte line: the line's address (with the row's swizzle
+      // added) ^ 16 c; 32-bit shared addresses keep the producer inside its 56 registers.
+      const uint32_t row_base = sK + tl * kTileBytes + row * 128 + ((row & 7) << 4);
+      auto put = [&](uint32_t line, uint4 v0, uint4 v1) {  // 16 e4m3 values -> f16 chunks 4 part .. + 3
+        sts128(line ^ ((4 * part) << 4), widen_e4m3x8(make_uint2(v0.x, v0.y)));
+        sts128(line ^ ((4 * part + 1) << 4), widen_e4m3x8(make_uint2(v0.z, v0.w)));
+        sts128(line ^ ((4 * part + 2) << 4), widen_e4m3x8(make_uint2(v1.x, v1.y)));
+        sts128(line ^ ((4 * part + 3) << 4), widen_e4m3x8(make_uint2(v1.z, v1.w)));
       };
 #pragma unroll
       for (int cb = cb0; cb < cb1; cb += 2) {
-        uint8_t* line = base + cb * kBlockBytes + row * 128;
-        if (cb + 1 < kCols) put(line + kBlockBytes, *at(line, 4 + 2 * part), *at(line, 5 + 2 * part));
-        const uint4 v0 = *at(line, 2 * part), v1 = *at(line, 2 * part + 1);
+        const uint32_t line = row_base + cb * kBlockBytes;
+        if (cb + 1 < kCols) put(line + kBlockBytes, lds128(line ^ ((4 + 2 * part) << 4)), lds128(line ^ ((5 + 2 * part) << 4)));
+        const uint4 v0 = lds128(line ^ ((2 * part) << 4)), v1 = lds128(line ^ ((2 * part + 1) << 4));
         __syncwarp();
         put(line, v0, v1);
       }
