@@ -1472,20 +1472,30 @@ def test_verify_attn_cuda_graph_replay_moves_lengths(verify_kernel):
 
 @needs_gpu
 @pytest.mark.parametrize("layout", ["pages", "runs"])
-def test_verify_attn_cuda_slot_layouts_graph_replay(verify_kernel, layout):
+@pytest.mark.parametrize("fp8", [False, True], ids=["q_dtype", "uint8"])
+def test_verify_attn_cuda_slot_layouts_graph_replay(verify_kernel, layout, fp8):
     """A captured call replayed over new slots of another layout draw: the boxes follow the
-    slots on the device, not the ones seen at capture."""
-    shape = ([3000, 77, 640], [9, 2, 16], 16)
+    slots on the device, not the ones seen at capture; over an fp8 pool k_scale (a tensor)
+    changes at every replay too."""
+    shape, sm_scale, scales = ([3000, 77, 640], [9, 2, 16], 16), 1.0 / math.sqrt(192), iter([0.37, 1.9, 0.013])
+    n_args = len(VERIFY_ARGS) - 1
 
     def fresh():
         c = make_verify_case(*shape, pool=20000, slots=layout)
-        return [c[k] for k in VERIFY_ARGS[:-1]]
+        if fp8:
+            c, _ = fp8_pool(c, torch.uint8, next(scales))
+        return [c[k] for k in VERIFY_ARGS[:-1]] + ([c["k_scale"]] if fp8 else [])
 
     def check(inputs, out):
-        case = dict(zip(VERIFY_ARGS, [*inputs, 1.0 / math.sqrt(192)]))
+        case = dict(zip(VERIFY_ARGS, [*inputs[:n_args], sm_scale]))
+        if fp8:
+            case["kv_cache"] = dequantized(inputs[1], inputs[-1], torch.float64)
         assert_verify_close(out[0], out[1], case)
 
-    graph_replay(lambda *a: kdtree_ops.verify_attn(*a, 1.0 / math.sqrt(192), max_kv_len=3000), fresh, check)
+    def call(*a):
+        return kdtree_ops.verify_attn(*a[:n_args], sm_scale, max_kv_len=3000, **({"k_scale": a[-1]} if fp8 else {}))
+
+    graph_replay(call, fresh, check)
 
 
 @needs_gpu
