@@ -124,8 +124,8 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
   return d;
 }
-__device__ __forceinline__ uint4 lds128(const uint8_t* p) { return *reinterpret_cast<const uint4*>(p); }
-__device__ __forceinline__ uint2 lds64(const uint8_t* p) { return *reinterpret_cast<const uint2*>(p); }
+__device__ __forceinline__ uint4 load_u4(const uint8_t* p) { return *reinterpret_cast<const uint4*>(p); }
+__device__ __forceinline__ uint2 load_u2(const uint8_t* p) { return *reinterpret_cast<const uint2*>(p); }
 
 // An e4m3 key row r sits rotated by 32 sigma((r / 2) % 4) bytes, sigma = (0, 2, 1, 3): the four
 // 64-byte reads of two keys 2 apart (one instruction of issue_qk) and the 32-byte reads of four
@@ -184,14 +184,14 @@ __device__ __forceinline__ void issue_qk(float (&s)[24], const uint8_t* kbuf, ui
   auto load = [&](int cb, uint4 (&raw)[4]) {
     if constexpr (Tree) {
       const uint8_t* ra = kbuf + (kA % kTreeKeys) * kTreeRowBytes + cb * 128 + 32 * t4;
-      raw[0] = lds128(ra);
-      raw[1] = lds128(ra + 16);
-      raw[2] = lds128(ra + kTreeRowBytes);
-      raw[3] = lds128(ra + kTreeRowBytes + 16);
+      raw[0] = load_u4(ra);
+      raw[1] = load_u4(ra + 16);
+      raw[2] = load_u4(ra + kTreeRowBytes);
+      raw[3] = load_u4(ra + kTreeRowBytes + 16);
     } else {
       const int off = row_pos(kA, cb * 64 + 16 * t4);  // kA and kA + 1 share the rotation
-      raw[0] = lds128(kbuf + kA * kDqk + off);
-      raw[1] = lds128(kbuf + (kA + 1) * kDqk + off);
+      raw[0] = load_u4(kbuf + kA * kDqk + off);
+      raw[1] = load_u4(kbuf + (kA + 1) * kDqk + off);
     }
   };
   wgmma_steps<Tree, kCols>(load,
@@ -230,9 +230,9 @@ __device__ __forceinline__ void issue_pv(float (&o)[4][24], const uint8_t* kbuf,
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       if constexpr (Tree) {
-        raw[k] = lds128(kbuf + rows[k] * kTreeRowBytes + off);
+        raw[k] = load_u4(kbuf + rows[k] * kTreeRowBytes + off);
       } else {
-        const uint2 v = lds64(kbuf + rows[k] * kDqk + off);
+        const uint2 v = load_u2(kbuf + rows[k] * kDqk + off);
         raw[k] = make_uint4(v.x, v.y, 0, 0);
       }
     }
