@@ -1272,6 +1272,67 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 AB_SHAPES = "1x16x9x4096,1x16x9x32768,1x16x9x131072,1x128x9x131072,1x128x1x131072,1x128x65x32768,1x16x257x32768,8x16x9x65536,64x128x1x8192,64x16x1x8192,16x16x4x32768"
+AB_SCALE, AB_K_SCALE = 1.0 / math.sqrt(192), 0.5
+
+
+def _variants(specs: Sequence[str]) -> dict[str, dict[str, str]]:
+    """NAME:VAR=VALUE,VAR=VALUE specs -> {NAME: {VAR: VALUE}} (empty settings: the defaults)."""
+    variants = {}
+    for spec in specs:
+        name, _, settings = spec.partition(":")
+        variants[name] = dict(kv.split("=", 1) for kv in settings.split(",") if kv)
+    return variants
+
+
+class _env:
+    """The environment with `settings` applied and every other knob in `knobs` unset, for a block."""
+
+    def __init__(self, settings: dict[str, str], knobs: set[str]):
+        self.settings, self.knobs = settings, knobs
+
+    def __enter__(self):
+        self.saved = {k: os.environ.pop(k, None) for k in self.knobs}
+        os.environ.update(self.settings)
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
+
+
+def _ab_case(shape: str, layout: str, pool: str, tree: bool, cpu: torch.Generator, gpu: torch.Generator) -> dict:
+    """One verify_attn input set on the GPU for shape BxHxNODESxCONTEXT (CONTEXT as LO-HI spreads
+    the B requests' lengths evenly from LO to HI), prefix slots laid out as testkit.prefix_slots's
+    `layout`, over a bf16 pool or its e4m3 bytes (k_scale AB_K_SCALE); `call()` runs it into
+    `out` and `lse`."""
+    B, H, N, ctx_spec = shape.split("x")
+    B, H, N = int(B), int(H), int(N)
+    lo, _, hi = ctx_spec.partition("-")
+    lens = [int(lo) + (int(hi or lo) - int(lo)) * b // max(B - 1, 1) for b in range(B)]
+    c = {"B": B, "H": H, "N": N, "ctx_spec": ctx_spec, "lens": lens, "ctx": max(lens),
+         "starts": [sum(lens[:b]) for b in range(B + 1)]}
+    slots, S = testkit.prefix_slots(lens, layout, None, cpu)
+    c["kv"] = torch.randn(S, MLA_QK_DIM, device="cuda", dtype=torch.bfloat16, generator=gpu)
+    c["kv_pool"] = testkit.e4m3_bytes(c["kv"], AB_K_SCALE) if pool == "fp8" else c["kv"]
+    c["q"] = torch.randn(B * N, H, MLA_QK_DIM, device="cuda", dtype=torch.bfloat16, generator=gpu)
+    c["tree_k"] = torch.randn(B * N, MLA_QK_DIM, device="cuda", dtype=torch.bfloat16, generator=gpu)
+    c["kv_indptr"] = torch.tensor(c["starts"], device="cuda", dtype=torch.int32)
+    c["qo_indptr"] = torch.arange(B + 1, device="cuda", dtype=torch.int32) * N
+    c["kv_indices"] = slots.to(device="cuda", dtype=torch.int32)
+    c["visible"] = torch.cat([testkit.random_tree_mask(N, cpu) if tree else torch.ones(N, N, dtype=torch.bool).tril()
+                              for _ in range(B)])
+    mask = pack_tree_mask(c["visible"].cuda()) if tree else None
+    kw = {"k_scale": AB_K_SCALE} if pool == "fp8" else {}
+    c["out"] = torch.empty(B * N, H, MLA_V_DIM, device="cuda", dtype=torch.bfloat16)
+    c["lse"] = torch.empty(B * N, H, device="cuda", dtype=torch.float32)
+
+    def call():
+        verify_attn(c["q"], c["kv_pool"], c["kv_indptr"], c["kv_indices"], c["qo_indptr"], c["tree_k"], mask, AB_SCALE,
+                    out=c["out"], lse=c["lse"], max_kv_len=c["ctx"], **kw)
+
+    c["call"] = call
+    return c
 
 
 def ab(argv: Sequence[str]) -> int:
@@ -1295,63 +1356,30 @@ def ab(argv: Sequence[str]) -> int:
     if not cuda_available():
         print("kdtree_ops: ab needs a CUDA GPU and the built kernels", file=sys.stderr)
         return 2
-    variants = {}
-    for spec in args.variants:
-        name, _, settings = spec.partition(":")
-        variants[name] = dict(kv.split("=", 1) for kv in settings.split(",") if kv)
+    variants = _variants(args.variants)
     knobs = {k for v in variants.values() for k in v}
     flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
-    scale, k_scale = 1.0 / math.sqrt(192), 0.5
     gpu = torch.Generator(device="cuda").manual_seed(1234)
     cpu = torch.Generator().manual_seed(1234)
     rows_out = []
     for shape in args.shapes.split(","):
-        B, H, N, ctx_spec = shape.split("x")
-        B, H, N = int(B), int(H), int(N)
-        lo, _, hi = ctx_spec.partition("-")
-        lens = [int(lo) + (int(hi or lo) - int(lo)) * b // max(B - 1, 1) for b in range(B)]
-        ctx, starts = max(lens), [sum(lens[:b]) for b in range(B + 1)]
-        flops = 2 * N * H * (sum(lens) + B * (N + 1) / 2) * (MLA_QK_DIM + MLA_V_DIM)
         for layout in args.layouts.split(","):
-            slots, S = testkit.prefix_slots(lens, layout, None, cpu)
-            kv = torch.randn(S, MLA_QK_DIM, device="cuda", dtype=torch.bfloat16, generator=gpu)
-            kv_pool = testkit.e4m3_bytes(kv, k_scale) if args.pool == "fp8" else kv
-            q = torch.randn(B * N, H, MLA_QK_DIM, device="cuda", dtype=torch.bfloat16, generator=gpu)
-            tree_k = torch.randn(B * N, MLA_QK_DIM, device="cuda", dtype=torch.bfloat16, generator=gpu)
-            kv_indptr = torch.tensor(starts, device="cuda", dtype=torch.int32)
-            qo_indptr = torch.arange(B + 1, device="cuda", dtype=torch.int32) * N
-            kv_indices = slots.to(device="cuda", dtype=torch.int32)
-            visible = torch.cat([testkit.random_tree_mask(N, cpu) if args.tree else torch.ones(N, N, dtype=torch.bool).tril()
-                                 for _ in range(B)])
-            mask = pack_tree_mask(visible.cuda()) if args.tree else None
-            kw = {"k_scale": k_scale} if args.pool == "fp8" else {}
-            out = torch.empty(B * N, H, MLA_V_DIM, device="cuda", dtype=torch.bfloat16)
-            lse = torch.empty(B * N, H, device="cuda", dtype=torch.float32)
-
-            def call():
-                verify_attn(q, kv_pool, kv_indptr, kv_indices, qo_indptr, tree_k, mask, scale, out=out, lse=lse,
-                            max_kv_len=ctx, **kw)
-
+            c = _ab_case(shape, layout, args.pool, args.tree, cpu, gpu)
+            B, H, N, lens, starts, out = c["B"], c["H"], c["N"], c["lens"], c["starts"], c["out"]
+            flops = 2 * N * H * (sum(lens) + B * (N + 1) / 2) * (MLA_QK_DIM + MLA_V_DIM)
             times, outs = {name: [] for name in variants}, {}
             for r in range(args.rounds):
                 for name, settings in variants.items():
-                    saved = {k: os.environ.pop(k, None) for k in knobs}
-                    os.environ.update(settings)
-                    try:
+                    with _env(settings, knobs):
                         out.fill_(math.nan)
                         side = torch.cuda.Stream()
                         side.wait_stream(torch.cuda.current_stream())
                         with torch.cuda.stream(side):  # warm-up: the build, the kernel's attributes
-                            call()
+                            c["call"]()
                         torch.cuda.current_stream().wait_stream(side)
                         graph = torch.cuda.CUDAGraph()
                         with torch.cuda.graph(graph):
-                            call()
-                    finally:
-                        for k, v in saved.items():
-                            os.environ.pop(k, None)
-                            if v is not None:
-                                os.environ[k] = v
+                            c["call"]()
                     ms = []
                     for _ in range(args.reps):
                         flush.fill_(1)
@@ -1361,30 +1389,85 @@ def ab(argv: Sequence[str]) -> int:
                         outs[name] = out.clone()
             first = next(iter(variants))
             err = None  # not checked: the reference would not fit
-            if ctx * N * H <= 2**28:  # a float32 reference of up to two requests
-                keys = kv.float() if args.pool == "bf16" else kv_pool.view(torch.float8_e4m3fn).float() * k_scale
+            if c["ctx"] * N * H <= 2**28:  # a float32 reference of up to two requests
+                keys = c["kv"].float() if args.pool == "bf16" else c["kv_pool"].view(torch.float8_e4m3fn).float() * AB_K_SCALE
+                q, tree_k, kv_indices = c["q"], c["tree_k"], c["kv_indices"]
                 errs = []
                 for b in range(min(B, 2)):
                     K = torch.cat([keys[kv_indices[starts[b]:starts[b + 1]].long()], tree_k[b * N:(b + 1) * N].float()])
-                    sees = torch.cat([torch.ones(N, lens[b], dtype=torch.bool), visible[b * N:(b + 1) * N]], 1).cuda()
-                    sc = torch.einsum("nhd,ld->nhl", q[b * N:(b + 1) * N].float(), K) * scale
+                    sees = torch.cat([torch.ones(N, lens[b], dtype=torch.bool), c["visible"][b * N:(b + 1) * N]], 1).cuda()
+                    sc = torch.einsum("nhd,ld->nhl", q[b * N:(b + 1) * N].float(), K) * AB_SCALE
                     ref = torch.einsum("nhl,lv->nhv", sc.masked_fill(~sees[:, None], -math.inf).softmax(-1), K[:, :MLA_V_DIM])
                     errs.append(rel_err(outs[first][b * N:(b + 1) * N], ref))
                 err = max(errs)
-            row = {"shape": [B, H, N, ctx_spec], "layout": layout, "pool": args.pool, "tree": args.tree, "rel_err": err,
+            row = {"shape": [B, H, N, c["ctx_spec"]], "layout": layout, "pool": args.pool, "tree": args.tree, "rel_err": err,
                    **{name: statistics.mean(t) for name, t in times.items()},
                    "rounds": times, "same_bits": {name: bool(torch.equal(o, outs[first])) for name, o in outs.items()}}
             rows_out.append(row)
             cells = " | ".join(f"{name} {row[name]:.4f} ms ({row[first] / row[name]:.3f}x{'' if row['same_bits'][name] else ', other bits'})"
                                for name in variants)
             checked = "rel err unchecked" if err is None else f"rel err {err:.1e}"
-            print(f"{B}x{H}x{N} @{ctx_spec} {args.pool} {layout}: {checked} | {cells} | {flops / row[first] / 1e9:.0f} TFLOP/s",
+            print(f"{B}x{H}x{N} @{c['ctx_spec']} {args.pool} {layout}: {checked} | {cells} | {flops / row[first] / 1e9:.0f} TFLOP/s",
                   flush=True)
-            del kv, kv_pool, out, lse, outs
+            del c, out, outs
             torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows_out, f, indent=1)
+    return 0
+
+
+HOST_SHAPES = "1x16x9x4096,1x128x9x32768,8x16x9x8192"
+
+
+def host(argv: Sequence[str]) -> int:
+    """``python bench_ops.py host NAME:SETTINGS ...``: host time of one eager verify_attn call
+    (argument checks, the launch plan, a tensor map where tiles load as boxes, the launches)
+    under several settings of its KDTREE_VERIFY_* variables. The GPU is kept busy
+    (torch.cuda._sleep) while --calls calls are issued, so no call waits for the device and the
+    wall time over them is the host's alone; median of --rounds rounds, the variants interleaved.
+    What a CUDA graph replays costs none of this: it matters to eager steps (batch sizes
+    without a captured graph)."""
+    parser = argparse.ArgumentParser(prog="python bench_ops.py host", description=host.__doc__)
+    parser.add_argument("variants", nargs="*", default=["boxes:", "copies:KDTREE_VERIFY_TMA=0"],
+                        help="NAME:VAR=VALUE,VAR=VALUE (default: 'boxes:' 'copies:KDTREE_VERIFY_TMA=0')")
+    parser.add_argument("--shapes", default=HOST_SHAPES, help="BxHxNODESxCONTEXT, comma-separated (as for ab)")
+    parser.add_argument("--layouts", default="pages,scattered", help="prefix slot layouts (testkit.prefix_slots)")
+    parser.add_argument("--pools", default="bf16,fp8", help="bf16, fp8 or both, comma-separated")
+    parser.add_argument("--calls", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args(argv)
+    if not cuda_available():
+        print("kdtree_ops: host needs a CUDA GPU and the built kernels", file=sys.stderr)
+        return 2
+    variants = _variants(args.variants)
+    knobs = {k for v in variants.values() for k in v}
+    gpu = torch.Generator(device="cuda").manual_seed(1234)
+    cpu = torch.Generator().manual_seed(1234)
+    # GPU cycles that outlast the calls: 20 us of host a call at most, at 2 GHz, four times over.
+    sleep_cycles = int(4 * args.calls * 20e-6 * 2e9)
+    for pool in args.pools.split(","):
+        for shape in args.shapes.split(","):
+            for layout in args.layouts.split(","):
+                c = _ab_case(shape, layout, pool, False, cpu, gpu)
+                us = {name: [] for name in variants}
+                for _ in range(args.rounds):
+                    for name, settings in variants.items():
+                        with _env(settings, knobs):
+                            c["call"]()  # the build, the kernel's attributes
+                            torch.cuda.synchronize()
+                            torch.cuda._sleep(sleep_cycles)
+                            t0 = time.perf_counter()
+                            for _ in range(args.calls):
+                                c["call"]()
+                            us[name].append((time.perf_counter() - t0) / args.calls * 1e6)
+                            torch.cuda.synchronize()
+                first = next(iter(variants))
+                med = {name: statistics.median(u) for name, u in us.items()}
+                cells = " | ".join(f"{name} {med[name]:.1f} us ({med[name] - med[first]:+.1f})" for name in variants)
+                print(f"{shape} {pool} {layout}: host per call | {cells}", flush=True)
+                del c
+                torch.cuda.empty_cache()
     return 0
 
 
@@ -1395,5 +1478,7 @@ if __name__ == "__main__":
         plot(sys.argv[2], sys.argv[3])
     elif sys.argv[1:2] == ["ab"]:
         sys.exit(ab(sys.argv[2:]))
+    elif sys.argv[1:2] == ["host"]:
+        sys.exit(host(sys.argv[2:]))
     else:
         sys.exit(main())
