@@ -1275,13 +1275,14 @@ AB_SHAPES = "1x16x9x4096,1x16x9x32768,1x16x9x131072,1x128x9x131072,1x128x1x13107
 AB_SCALE, AB_K_SCALE = 1.0 / math.sqrt(192), 0.5
 
 
-def _variants(specs: Sequence[str]) -> dict[str, dict[str, str]]:
-    """NAME:VAR=VALUE,VAR=VALUE specs -> {NAME: {VAR: VALUE}} (empty settings: the defaults)."""
+def _variants(specs: Sequence[str]) -> tuple[dict[str, dict[str, str]], set[str]]:
+    """NAME:VAR=VALUE,VAR=VALUE specs -> ({NAME: {VAR: VALUE}}, every VAR named); empty
+    settings are the defaults."""
     variants = {}
     for spec in specs:
         name, _, settings = spec.partition(":")
         variants[name] = dict(kv.split("=", 1) for kv in settings.split(",") if kv)
-    return variants
+    return variants, {k for v in variants.values() for k in v}
 
 
 class _env:
@@ -1356,8 +1357,7 @@ def ab(argv: Sequence[str]) -> int:
     if not cuda_available():
         print("kdtree_ops: ab needs a CUDA GPU and the built kernels", file=sys.stderr)
         return 2
-    variants = _variants(args.variants)
-    knobs = {k for v in variants.values() for k in v}
+    variants, knobs = _variants(args.variants)
     flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
     gpu = torch.Generator(device="cuda").manual_seed(1234)
     cpu = torch.Generator().manual_seed(1234)
@@ -1440,8 +1440,7 @@ def host(argv: Sequence[str]) -> int:
     if not cuda_available():
         print("kdtree_ops: host needs a CUDA GPU and the built kernels", file=sys.stderr)
         return 2
-    variants = _variants(args.variants)
-    knobs = {k for v in variants.values() for k in v}
+    variants, knobs = _variants(args.variants)
     gpu = torch.Generator(device="cuda").manual_seed(1234)
     cpu = torch.Generator().manual_seed(1234)
     # GPU cycles that outlast the calls: 20 us of host a call at most, at 2 GHz, four times over.
