@@ -989,6 +989,9 @@ def verify_attn(
     where equal splits of each request wait on the longest one's. Only a batch of equal trees
     whose equal splits fill one wave of SMs to 95% keeps equal splits;
     ``KDTREE_VERIFY_BALANCE=0`` or ``1`` forces the choice.
+    ``KDTREE_VERIFY_FP8_WIDEN=1`` (opt-in; not yet run on a GPU) widens an fp8 pool's prefix rows
+    once into a float16 workspace before the Hopper kernel, which then reads them as a 16-bit
+    pool's with the fp8 path's numerics, meant to give the same output bits.
     Each variable is read at every call, so also when a CUDA graph is captured.
 
     Parameters

@@ -1024,6 +1024,10 @@ VERIFY_KERNEL_ENV = {
     # over an fp8 pool the opt-in keys-as-M kernel (verify_attn_sm90_fp8.cu); else the seesaw one
     "fp8keys": {"KDTREE_VERIFY_ROWS": "64", "KDTREE_VERIFY_BALANCE": "0", "KDTREE_VERIFY_FP8_KERNEL": "1"},
     "fp8keys_balanced": {"KDTREE_VERIFY_ROWS": "64", "KDTREE_VERIFY_BALANCE": "1", "KDTREE_VERIFY_FP8_KERNEL": "1"},
+    # over an fp8 pool the opt-in widened route (rows widened once into an f16 workspace, then the
+    # seesaw kernel); else the seesaw kernel
+    "fp8widen": {"KDTREE_VERIFY_ROWS": "64", "KDTREE_VERIFY_BALANCE": "0", "KDTREE_VERIFY_FP8_WIDEN": "1"},
+    "fp8widen_balanced": {"KDTREE_VERIFY_ROWS": "64", "KDTREE_VERIFY_BALANCE": "1", "KDTREE_VERIFY_FP8_WIDEN": "1"},
     "portable": {"KDTREE_VERIFY_WGMMA": "0", "KDTREE_VERIFY_ROWS": "64", "KDTREE_VERIFY_BALANCE": "0"},
     "portable48": {"KDTREE_VERIFY_WGMMA": "0", "KDTREE_VERIFY_ROWS": "48", "KDTREE_VERIFY_BALANCE": "0"},
     "portable16": {"KDTREE_VERIFY_WGMMA": "0", "KDTREE_VERIFY_ROWS": "16", "KDTREE_VERIFY_BALANCE": "0"},
@@ -1037,7 +1041,7 @@ VERIFY_KERNEL_ENV = {
 def verify_kernel(request, monkeypatch):
     """Runs the test once per kernel (the choice is read at every call, so also at capture)."""
     for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA", "KDTREE_VERIFY_ROWS", "KDTREE_VERIFY_BALANCE",
-                 "KDTREE_VERIFY_FP8_KERNEL"):
+                 "KDTREE_VERIFY_FP8_KERNEL", "KDTREE_VERIFY_FP8_WIDEN"):
         monkeypatch.delenv(name, raising=False)
     for name, value in VERIFY_KERNEL_ENV[request.param].items():
         monkeypatch.setenv(name, value)
@@ -1370,18 +1374,18 @@ def test_verify_attn_cuda_boxes_change_no_bits(layout, pool, monkeypatch):
 
 @pytest.mark.skipif(not GPU or torch.cuda.get_device_capability() != (9, 0), reason="the Hopper kernels serve sm_90 only")
 @pytest.mark.parametrize("pool,tma,prefix,hint,want", [
-    ("q_dtype", "", 3000, None, "false, true"),  # a 16-bit pool: the instance with the boxed producer
-    ("q_dtype", "", 12000, 12000, "false, true"),  # 3 row tiles x 44 splits of 273 keys: 2+ tile pairs a CTA
-    ("q_dtype", "", 4096, 4096, "false, false"),  # the hint caps splits at 32 of 128 keys: one pair, no boxes
-    ("q_dtype", "0", 3000, None, "false, false"),  # KDTREE_VERIFY_TMA=0: per-slot copies only
-    ("uint8", "", 3000, None, "true, true"),  # an fp8 pool: boxes of e4m3 bytes
-    ("uint8", "0", 3000, None, "true, false"),
+    ("q_dtype", "", 3000, None, "0, true"),  # a 16-bit pool: the instance with the boxed producer
+    ("q_dtype", "", 12000, 12000, "0, true"),  # 3 row tiles x 44 splits of 273 keys: 2+ tile pairs a CTA
+    ("q_dtype", "", 4096, 4096, "0, false"),  # the hint caps splits at 32 of 128 keys: one pair, no boxes
+    ("q_dtype", "0", 3000, None, "0, false"),  # KDTREE_VERIFY_TMA=0: per-slot copies only
+    ("uint8", "", 3000, None, "1, true"),  # an fp8 pool: boxes of e4m3 bytes
+    ("uint8", "0", 3000, None, "1, false"),
 ])
 def test_verify_attn_cuda_sm90_boxable_instance(pool, tma, prefix, hint, want, monkeypatch):
-    """Which seesaw instance serves a call, read off the kernel's template arguments (Fp8,
-    Boxable; Balanced false, one request): boxes only where the hint gives each CTA at least two
-    64-key tile pairs."""
-    for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA", "KDTREE_VERIFY_ROWS"):
+    """Which seesaw instance serves a call, read off the kernel's template arguments (Pool: 0 a
+    16-bit pool, 1 an fp8 one; Boxable; Balanced false, one request): boxes only where the hint
+    gives each CTA at least two 64-key tile pairs."""
+    for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA", "KDTREE_VERIFY_ROWS", "KDTREE_VERIFY_FP8_WIDEN"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("KDTREE_VERIFY_TMA", raising=False)
     if tma:
@@ -1390,8 +1394,60 @@ def test_verify_attn_cuda_sm90_boxable_instance(pool, tma, prefix, hint, want, m
     if hint:
         kw["max_kv_len"] = hint
     (out, lse), names = launched_kernels(lambda: kdtree_ops.verify_attn(*verify_args(case), **kw))
-    assert [n for n in names if "seesaw_kernel<" in n and f", {want}, false>" in n], names
+    assert [n for n in names if "seesaw_kernel<" in n and re.search(rf"Pool\W*{want}, false>", n)], names
     assert_verify_close(out, lse, ref)
+
+
+@pytest.mark.skipif(not GPU or torch.cuda.get_device_capability() != (9, 0), reason="the Hopper kernels serve sm_90 only")
+@pytest.mark.parametrize("balance", ["0", "1"])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("storage", FP8_STORAGES, ids=FP8_IDS)
+def test_verify_attn_cuda_fp8_widened_same_bits(balance, index_dtype, causal, storage, monkeypatch):
+    """KDTREE_VERIFY_FP8_WIDEN=1 widens an fp8 pool's rows once into an f16 workspace (the
+    widening kernel serves the call, then the seesaw instance for a widened pool: Pool 2), and
+    the kernel then computes from the same f16 values what its fp8 path computes from the rows
+    it widens itself: the same bits, at odd lengths over both schedules. Without the variable
+    the route stays off."""
+    for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA", "KDTREE_VERIFY_FP8_KERNEL", "KDTREE_VERIFY_FP8_WIDEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("KDTREE_VERIFY_ROWS", "64")
+    monkeypatch.setenv("KDTREE_VERIFY_BALANCE", balance)
+    case, ref = fp8_pool(make_verify_case([1500, 0, 77, 2049], [9, 5, 17, 3], 16, index_dtype=index_dtype,
+                                          causal=causal, slots="pages"), storage, 0.37)
+    call = lambda: kdtree_ops.verify_attn(*verify_args(case), k_scale=case["k_scale"])  # noqa: E731
+    (out, lse), names = launched_kernels(call)
+    assert not [n for n in names if "widen_fp8_pool_kernel" in n], names
+    monkeypatch.setenv("KDTREE_VERIFY_FP8_WIDEN", "1")
+    (out_w, lse_w), names = launched_kernels(call)
+    assert [n for n in names if "widen_fp8_pool_kernel" in n], names
+    assert [n for n in names if "seesaw_kernel<" in n and re.search(r"Pool\W*2, ", n)], names
+    assert torch.equal(out, out_w) and torch.equal(lse, lse_w)
+    assert_verify_close(out_w, lse_w, ref)
+
+
+@pytest.mark.skipif(not GPU or torch.cuda.get_device_capability() != (9, 0), reason="the Hopper kernels serve sm_90 only")
+def test_verify_guard_fp8_widened_slot_out_of_range(monkeypatch):
+    """A prefix slot outside an fp8 pool, met by the widening (KDTREE_VERIFY_FP8_WIDEN=1): its
+    request's rows come out NaN, the others as without the route, and the slot guard raised."""
+    for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA", "KDTREE_VERIFY_FP8_KERNEL", "KDTREE_VERIFY_BALANCE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("KDTREE_VERIFY_ROWS", "64")
+    monkeypatch.setenv("KDTREE_VERIFY_FP8_WIDEN", "1")
+    case, _ = fp8_pool(make_verify_case([1500, 700, 2100], [9, 5, 13], 16), torch.uint8, 0.37)
+    good = case["kv_indices"].clone()
+    case["kv_indices"][1500 + 333] = case["kv_cache"].shape[0]
+    kdtree_ops.guard_errors()
+    (out, lse), names = launched_kernels(lambda: kdtree_ops.verify_attn(*verify_args(case), k_scale=case["k_scale"]))
+    assert [n for n in names if "widen_fp8_pool_kernel" in n], names
+    poisoned_requests(out, lse, case["qo_indptr"], {1})
+    assert kdtree_ops.guard_errors() == [GUARD_SLOT]
+    case["kv_indices"] = good
+    monkeypatch.delenv("KDTREE_VERIFY_FP8_WIDEN")
+    out0, lse0 = kdtree_ops.verify_attn(*verify_args(case), k_scale=case["k_scale"])
+    keep = torch.ones(out.shape[0], dtype=torch.bool)
+    keep[9:14] = False
+    assert torch.equal(out[keep], out0[keep]) and torch.equal(lse[keep], lse0[keep])
 
 
 @needs_gpu

@@ -707,6 +707,9 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) verify_attn_ker
 
 // Enough splits for one row tile to fill an H200 twice (16-row CTAs run two per SM).
 constexpr int64_t kMaxSplits = 256;
+// The most f16 workspace the widened fp8 route takes (a prefix row of 576 values: 1,152 bytes;
+// 1 GiB holds about 930k rows, e.g. 7 requests of 128k); past it an fp8 pool keeps the fp8 path.
+constexpr int64_t kWidenBytesCap = int64_t{1} << 30;
 
 // Blocks (t, h) row x dim part: merge the splits' partials by log-sum-exp. gridDim.y = parts
 // in {1, 2, 4, 8, 16}: a block merges 512 / parts dims with parts streams of threads, each
@@ -1079,6 +1082,15 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   // partials, and no merge, whose blocks would only find that out (1 x 128 x 65 @32k on the
   // balanced schedule, H100: 39 us of merge for nothing).
   const bool merge = balanced ? plane_ctas > 1 : splits > 1;
+  // KDTREE_VERIFY_FP8_WIDEN=1 (opt-in, not yet timed on a GPU): an fp8 pool on the seesaw kernel
+  // is first widened, every prefix row once, into an f16 workspace in the pool's units
+  // (launch_widen_fp8_pool), which the kernel then reads as a 16-bit pool, with the fp8 path's
+  // numerics. The fp8 path widens each row once per row tile that reads it (130 times at 128
+  // heads x 65 nodes); this costs 1,728 more bytes per prefix row instead, before the kernel
+  // (BENCHMARKS.md: "widening each key once"). Not past kWidenBytesCap of workspace.
+  const int64_t widen_rows = std::max<int64_t>(kv_indices.size(0), 1);
+  const bool widen = fp8 && which == VerifyKernel::kSeesaw && batch <= 65535 &&
+                     (widen_rows + T) * kDqk * 2 <= kWidenBytesCap && env_flag("KDTREE_VERIFY_FP8_WIDEN", false);
   at::Tensor part_o, part_lse;
   if (merge && balanced) {
     const int64_t partials = planes * plane_ctas * 2;  // share_partial
@@ -1129,7 +1141,28 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
     p.tokens = static_cast<int>(T);
     p.guard = guard_words();
 
-    const bool idx32 = kv_indices.scalar_type() == at::kInt;
+    bool idx32 = kv_indices.scalar_type() == at::kInt;
+    at::Tensor widened_rows, widened_tree, ident, req_bad;  // the widened route's workspace
+    if (widen) {
+      widened_rows = at::empty({widen_rows, kDqk}, q.options().dtype(at::kHalf));
+      widened_tree = at::empty({T, kDqk}, q.options().dtype(at::kHalf));
+      ident = at::empty({widen_rows}, q.options().dtype(at::kInt));
+      req_bad = at::empty({batch}, q.options().dtype(at::kInt));
+      C10_CUDA_CHECK(cudaMemsetAsync(req_bad.data_ptr(), 0, batch * sizeof(int32_t), current_stream()));
+      auto* rows16 = reinterpret_cast<__half*>(widened_rows.data_ptr());
+      auto* tree16 = reinterpret_cast<__half*>(widened_tree.data_ptr());
+      launch_widen_fp8_pool(p, idx32, rows16, tree16, ident.data_ptr<int32_t>(), req_bad.data_ptr<int32_t>(), sms,
+                            current_stream());
+      p.kv = reinterpret_cast<const T_*>(rows16);
+      p.kv8 = nullptr;
+      p.kv_stride = kDqk;
+      p.kv_rows = widen_rows;
+      p.tree_k = reinterpret_cast<const T_*>(tree16);
+      p.tk_stride = kDqk;
+      p.kv_indices = ident.data_ptr();
+      p.req_bad = req_bad.data_ptr<int32_t>();
+      idx32 = true;
+    }
     const dim3 grid = balanced ? dim3(static_cast<unsigned>(planes), static_cast<unsigned>(plane_ctas))
                                : dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(splits));
     if (which == VerifyKernel::kPortable && rows == Cta48::kRows) {

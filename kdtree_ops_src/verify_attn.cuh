@@ -61,6 +61,11 @@ template <typename T> struct VerifyParams {
   int64_t kv_rows, n_indices;
   int tokens;
   int* guard;
+  // Set where an fp8 pool was widened beforehand (launch_widen_fp8_pool): kv then holds its rows
+  // as f16 in the pool's units, tree_k the tree rows likewise (bits of f16 whatever T is), and
+  // request b's rows come out NaN where req_bad[b] != 0 (the widening met a slot outside the
+  // pool or a tree row beyond f16, and raised the guard itself).
+  const int32_t* req_bad;
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -492,5 +497,12 @@ template <typename T>
 void launch_verify_attn_seesaw(const VerifyParams<T>& p, bool idx32, bool boxes, dim3 grid, cudaStream_t stream);
 template <typename T>
 void launch_verify_attn_fp8(const VerifyParams<T>& p, bool idx32, dim3 grid, cudaStream_t stream);
+// The widened route for an fp8 pool (sm_90a): every prefix row of the batch (kv_indices
+// position i) as f16 in the pool's units into ws row i, every tree row divided by k_scale into
+// ws_tree, i into ident[i], and req_bad[b] (zeroed by the caller) set for a request whose slots
+// or tree rows the seesaw kernel's fp8 path would have met as bad. p describes the fp8 pool.
+template <typename T>
+void launch_widen_fp8_pool(const VerifyParams<T>& p, bool idx32, __half* ws, __half* ws_tree, int32_t* ident,
+                           int32_t* req_bad, int sms, cudaStream_t stream);
 
 }  // namespace kdtree

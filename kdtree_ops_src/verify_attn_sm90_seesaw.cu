@@ -15,7 +15,9 @@
 //    L2 rather than HBM (H100: 1x16x9 and 8x16x9 2-5% faster, 18 or more row tiles within
 //    noise; with two row tiles, 64x128x1 @8k, 6-10% slower, so not there). An fp8 pool's
 //    tile of 64 consecutive slots lands as boxes of e4m3 bytes, which the producer widens
-//    before the half is ready (H100: 11-12% fewer cycles than its 16-byte copies).
+//    before the half is ready (H100: 11-12% fewer cycles than its 16-byte copies). An fp8 pool
+//    widened beforehand into an f16 workspace (launch_widen_fp8_pool; opt-in, not yet timed)
+//    lands as a 16-bit pool does and is computed as an fp8 one.
 //  - WG0 and WG1, the consumers: WG0 computes S = Q K^T for the even tile of each pair (K
 //    buffer 0), WG1 for the odd tile (buffer 1), each with the full 64 x 64 x 576 product.
 //    WG0 owns O[:, 0:256), WG1 O[:, 256:512). Each runs the softmax of its own tile and
@@ -511,14 +513,21 @@ __device__ __forceinline__ void produce_rows(const VerifyParams<T>& p, const CUt
 
 #endif  // sm_90a
 
+// What the kernel's K rows are: the 16-bit pool of q's type; an fp8 pool, whose e4m3 rows land
+// and are widened to f16 here; or an fp8 pool widened beforehand (launch_widen_fp8_pool), whose
+// f16 rows land as a 16-bit pool's do. The last two compute alike (Fp8Math).
+enum class Pool { k16, kFp8, kWidened };
+
 // Boxable: a pool with kv_map describing it (see launch_verify_attn_seesaw). Balanced:
 // the balanced schedule (p.balanced > 0), segment after segment; otherwise the CTA's one split,
 // and none of that schedule's code: in the equal-split instances it cost batch-1 launches
 // (which never run it) up to a fifth of their time on an H200.
-template <typename T, typename Idx, bool Fp8, bool Boxable, bool Balanced>
+template <typename T, typename Idx, Pool kPool, bool Boxable, bool Balanced>
 __global__ void __launch_bounds__(kThreads, 1)
     verify_attn_seesaw_kernel(const VerifyParams<T> p, const __grid_constant__ CUtensorMap kv_map) {
 #ifdef KD_SM90A
+  constexpr bool Fp8 = kPool != Pool::k16;        // Fp8Math: the pool's units, k_scale in float32
+  constexpr bool Lands8 = kPool == Pool::kFp8;    // e4m3 rows land and are widened by the producer
   using M = std::conditional_t<Fp8, Fp8Math, T>;  // the tensor-core operands
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
@@ -577,7 +586,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       auto slot_of = [&](int key) {
         return key < prefix && key < key_end ? __ldg(kv_indices + key) : Idx(0);
       };
-      if constexpr (Fp8) {
+      if constexpr (Lands8) {
         auto produce = [&](auto boxed) {
           produce_fp8<decltype(boxed)::value>(p, &kv_map, sK, smem + kOffK, slot_of, kv_indices, q_begin, prefix,
                                               key_begin, key_end, n_pairs, pair_base, lt, bar_q, bad, beyond);
@@ -599,7 +608,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
       named_sync_or(kBarLoaded, kThreads, bad);
-      if constexpr (Fp8) named_sync_or(kBarLoaded, kThreads, beyond);
+      if constexpr (Lands8) named_sync_or(kBarLoaded, kThreads, beyond);
       if constexpr (!Balanced) break;  // one segment: the barrier phases stay compile-time
       pair_base += n_pairs;
     }
@@ -625,7 +634,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       float q_factor = 1.f;
       // Which copy loop the producer runs (the same test): its two loads go out before Q's wait.
       const bool block_bars =  // an fp8 pool's boxes are widened, so ready by halves as its copies
-          Boxable && !Fp8 && kv_runs(static_cast<const Idx*>(p.kv_indices) + kv_begin, prefix, key_begin, key_end);
+          Boxable && !Lands8 && kv_runs(static_cast<const Idx*>(p.kv_indices) + kv_begin, prefix, key_begin, key_end);
       const uint32_t pair_base = block_bars ? block_pairs : half_pairs;
       mbar_wait(bar_q, k & 1);
       if constexpr (Fp8 && std::is_same_v<T, __nv_bfloat16>) {
@@ -907,10 +916,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       // A slot outside kv_cache met by the producer, or a malformed batch: NaN rows.
       const bool malformed = b == kMalformedBatch;
       const bool slot_bad = named_sync_or(kBarLoaded, kThreads, false);
-      const bool range_bad = Fp8 && (named_sync_or(kBarLoaded, kThreads, false) || !k_scale_usable(k_scale));
-      const bool bad = slot_bad || range_bad || malformed;
-      if (bad && tid == 0)
+      const bool range_bad =
+          Fp8 && ((Lands8 && named_sync_or(kBarLoaded, kThreads, false)) || !k_scale_usable(k_scale));
+      if ((slot_bad || range_bad || malformed) && tid == 0)
         raise_guard(p.guard, malformed ? kGuardVerifyIndptr : slot_bad ? kGuardKvSlot : kGuardFp8Range);
+      // The widening's findings (it raised their guard).
+      const bool bad = slot_bad || range_bad || malformed || (kPool == Pool::kWidened && !malformed && p.req_bad[b] != 0);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = half ? rB : rA, m = row0 + r;
@@ -982,17 +993,22 @@ bool encode_kv_map(const VerifyParams<T>& p, CUtensorMap& map) {
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// KDTREE_VERIFY_TMA=0 (or boxes = false) keeps every tile on cp.async.
+// KDTREE_VERIFY_TMA=0 (or boxes = false) keeps every tile on cp.async. A widened pool
+// (p.req_bad set) comes with int32 slots (launch_widen_fp8_pool's ident).
 template <typename T>
 void launch_verify_attn_seesaw(const VerifyParams<T>& p, bool idx32, bool boxes, dim3 grid, cudaStream_t stream) {
   CUtensorMap kv_map{};
   const bool boxable = boxes && env_flag("KDTREE_VERIFY_TMA", true) && encode_kv_map(p, kv_map);
+  TORCH_CHECK(!p.req_bad || idx32, "kdtree_ops: a widened fp8 pool takes int32 slots");
   auto kernel = with_flag(p.balanced > 0, [&](auto balanced) {
     return with_flag(idx32, [&](auto i32) {
       return with_flag(boxable, [&](auto bx) {
         using Idx = SlotIndex<decltype(i32)>;
         constexpr bool B = decltype(balanced)::value, Bx = decltype(bx)::value;
-        return p.kv8 ? verify_attn_seesaw_kernel<T, Idx, true, Bx, B> : verify_attn_seesaw_kernel<T, Idx, false, Bx, B>;
+        auto widened = verify_attn_seesaw_kernel<T, int32_t, Pool::kWidened, Bx, B>;
+        auto fp8 = verify_attn_seesaw_kernel<T, Idx, Pool::kFp8, Bx, B>;
+        auto pool16 = verify_attn_seesaw_kernel<T, Idx, Pool::k16, Bx, B>;
+        return p.kv8 ? fp8 : p.req_bad ? widened : pool16;
       });
     });
   });
@@ -1003,5 +1019,69 @@ void launch_verify_attn_seesaw(const VerifyParams<T>& p, bool idx32, bool boxes,
 
 template void launch_verify_attn_seesaw<__nv_bfloat16>(const VerifyParams<__nv_bfloat16>&, bool, bool, dim3, cudaStream_t);
 template void launch_verify_attn_seesaw<__half>(const VerifyParams<__half>&, bool, bool, dim3, cudaStream_t);
+
+namespace {
+
+// The widened route's pre-pass (see launch_widen_fp8_pool; sm_90a, as the seesaw kernel that
+// reads its workspace): block (x, b) takes rows x, x + X, ... of request b's prefix, then of its
+// tree rows, kRowsPerBlock at a time, each row as kDqk / 8 pieces of 8 values, a piece a
+// thread. A request whose indptr entries do not describe the batch is left alone: the seesaw
+// kernel reports it (kGuardVerifyIndptr) and reads nothing of it.
+constexpr int kPieces = kDqk / 8, kRowsPerBlock = 4;
+template <typename T, typename Idx>
+__global__ void __launch_bounds__(kPieces * kRowsPerBlock)
+    widen_fp8_pool_kernel(const VerifyParams<T> p, uint4* ws, uint4* ws_tree, int32_t* ident, int32_t* req_bad) {
+#ifdef KD_SM90A
+  const int b = blockIdx.y;
+  const int64_t kv_begin = p.kv_indptr[b], kv_end = p.kv_indptr[b + 1];
+  const int64_t q_begin = p.qo_indptr[b], q_end = p.qo_indptr[b + 1];
+  if (kv_begin < 0 || kv_end < kv_begin || kv_end > p.n_indices || q_begin < 0 || q_end < q_begin ||
+      q_end > p.tokens) {
+    return;
+  }
+  const Idx* kv_indices = static_cast<const Idx*>(p.kv_indices);
+  const int piece = threadIdx.x % kPieces;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kPieces;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kRowsPerBlock;
+  bool bad = false, beyond = false;
+  for (int64_t i = kv_begin + first; i < kv_end; i += stride) {
+    const Idx slot = checked_slot(p, kv_indices[i], bad);  // row 0 in place of a bad one
+    ws[i * kPieces + piece] = widen_e4m3x8(*reinterpret_cast<const uint2*>(p.kv8 + slot * p.kv_stride + 8 * piece));
+    if (piece == 0) ident[i] = static_cast<int32_t>(i);
+  }
+  // As the fp8 producer turns a tree row into the pool's units (one f16 rounding).
+  const float tree_to_pool = 1.f / kv_scale(p);
+  for (int64_t t = q_begin + first; t < q_end; t += stride) {
+    const uint4 v = *reinterpret_cast<const uint4*>(p.tree_k + t * p.tk_stride + 8 * piece);
+    ws_tree[t * kPieces + piece] = to_f16x8<T>(v, tree_to_pool, beyond);
+  }
+  const bool block_bad = __syncthreads_or(bad), block_beyond = __syncthreads_or(beyond);
+  if ((block_bad || block_beyond) && threadIdx.x == 0) {
+    req_bad[b] = 1;
+    raise_guard(p.guard, block_bad ? kGuardKvSlot : kGuardFp8Range);
+  }
+#else
+  __trap();
+#endif
+}
+
+}  // namespace
+
+template <typename T>
+void launch_widen_fp8_pool(const VerifyParams<T>& p, bool idx32, __half* ws, __half* ws_tree, int32_t* ident,
+                           int32_t* req_bad, int sms, cudaStream_t stream) {
+  // About eight blocks an SM over the batch: the pass streams 1,728 bytes a prefix row.
+  const unsigned per_request = static_cast<unsigned>(std::max(1, 8 * sms / std::max(p.batch, 1)));
+  const dim3 grid(per_request, static_cast<unsigned>(p.batch));
+  auto kernel = idx32 ? widen_fp8_pool_kernel<T, int32_t> : widen_fp8_pool_kernel<T, int64_t>;
+  kernel<<<grid, kPieces * kRowsPerBlock, 0, stream>>>(p, reinterpret_cast<uint4*>(ws), reinterpret_cast<uint4*>(ws_tree),
+                                                       ident, req_bad);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template void launch_widen_fp8_pool<__nv_bfloat16>(const VerifyParams<__nv_bfloat16>&, bool, __half*, __half*, int32_t*,
+                                                   int32_t*, int, cudaStream_t);
+template void launch_widen_fp8_pool<__half>(const VerifyParams<__half>&, bool, __half*, __half*, int32_t*, int32_t*, int,
+                                            cudaStream_t);
 
 }  // namespace kdtree
