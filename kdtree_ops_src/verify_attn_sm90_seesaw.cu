@@ -1024,10 +1024,11 @@ namespace {
 
 // The widened route's pre-pass (see launch_widen_fp8_pool; sm_90a, as the seesaw kernel that
 // reads its workspace): block (x, b) takes rows x, x + X, ... of request b's prefix, then of its
-// tree rows, kRowsPerBlock at a time, each row as kDqk / 8 pieces of 8 values, a piece a
-// thread. A request whose indptr entries do not describe the batch is left alone: the seesaw
-// kernel reports it (kGuardVerifyIndptr) and reads nothing of it.
-constexpr int kPieces = kDqk / 8, kRowsPerBlock = 4;
+// tree rows, kRowsPerBlock at a time, each row as kPieces pieces of 16 values, a piece a thread
+// (16 bytes of e4m3 in flight per thread: about what HBM's latency asks of an SM). A request
+// whose indptr entries do not describe the batch is left alone: the seesaw kernel reports it
+// (kGuardVerifyIndptr) and reads nothing of it.
+constexpr int kPieces = kDqk / 16, kRowsPerBlock = 8;
 template <typename T, typename Idx>
 __global__ void __launch_bounds__(kPieces * kRowsPerBlock)
     widen_fp8_pool_kernel(const VerifyParams<T> p, uint4* ws, uint4* ws_tree, int32_t* ident, int32_t* req_bad) {
@@ -1046,14 +1047,18 @@ __global__ void __launch_bounds__(kPieces * kRowsPerBlock)
   bool bad = false, beyond = false;
   for (int64_t i = kv_begin + first; i < kv_end; i += stride) {
     const Idx slot = checked_slot(p, kv_indices[i], bad);  // row 0 in place of a bad one
-    ws[i * kPieces + piece] = widen_e4m3x8(*reinterpret_cast<const uint2*>(p.kv8 + slot * p.kv_stride + 8 * piece));
+    const uint4 v = *reinterpret_cast<const uint4*>(p.kv8 + slot * p.kv_stride + 16 * piece);
+    ws[(i * kPieces + piece) * 2] = widen_e4m3x8(make_uint2(v.x, v.y));
+    ws[(i * kPieces + piece) * 2 + 1] = widen_e4m3x8(make_uint2(v.z, v.w));
     if (piece == 0) ident[i] = static_cast<int32_t>(i);
   }
   // As the fp8 producer turns a tree row into the pool's units (one f16 rounding).
   const float tree_to_pool = 1.f / kv_scale(p);
   for (int64_t t = q_begin + first; t < q_end; t += stride) {
-    const uint4 v = *reinterpret_cast<const uint4*>(p.tree_k + t * p.tk_stride + 8 * piece);
-    ws_tree[t * kPieces + piece] = to_f16x8<T>(v, tree_to_pool, beyond);
+    const uint4* src = reinterpret_cast<const uint4*>(p.tree_k + t * p.tk_stride + 16 * piece);
+    const uint4 lo = src[0], hi = src[1];
+    ws_tree[(t * kPieces + piece) * 2] = to_f16x8<T>(lo, tree_to_pool, beyond);
+    ws_tree[(t * kPieces + piece) * 2 + 1] = to_f16x8<T>(hi, tree_to_pool, beyond);
   }
   const bool block_bad = __syncthreads_or(bad), block_beyond = __syncthreads_or(beyond);
   if ((block_bad || block_beyond) && threadIdx.x == 0) {
@@ -1070,8 +1075,9 @@ __global__ void __launch_bounds__(kPieces * kRowsPerBlock)
 template <typename T>
 void launch_widen_fp8_pool(const VerifyParams<T>& p, bool idx32, __half* ws, __half* ws_tree, int32_t* ident,
                            int32_t* req_bad, int sms, cudaStream_t stream) {
-  // About eight blocks an SM over the batch: the pass streams 1,728 bytes a prefix row.
-  const unsigned per_request = static_cast<unsigned>(std::max(1, 8 * sms / std::max(p.batch, 1)));
+  // About seven blocks (2,016 threads) an SM over the batch: the pass streams 1,728 bytes a
+  // prefix row.
+  const unsigned per_request = static_cast<unsigned>(std::max(1, 7 * sms / std::max(p.batch, 1)));
   const dim3 grid(per_request, static_cast<unsigned>(p.batch));
   auto kernel = idx32 ? widen_fp8_pool_kernel<T, int32_t> : widen_fp8_pool_kernel<T, int64_t>;
   kernel<<<grid, kPieces * kRowsPerBlock, 0, stream>>>(p, reinterpret_cast<uint4*>(ws), reinterpret_cast<uint4*>(ws_tree),
