@@ -989,9 +989,10 @@ def verify_attn(
     where equal splits of each request wait on the longest one's. Only a batch of equal trees
     whose equal splits fill one wave of SMs to 95% keeps equal splits;
     ``KDTREE_VERIFY_BALANCE=0`` or ``1`` forces the choice.
-    ``KDTREE_VERIFY_FP8_WIDEN=1`` (opt-in; not yet run on a GPU) widens an fp8 pool's prefix rows
-    once into a float16 workspace before the Hopper kernel, which then reads them as a 16-bit
-    pool's with the fp8 path's numerics, meant to give the same output bits.
+    Over an fp8 pool, requests of at least 9 row tiles of 64 on the Hopper kernel first have
+    every prefix row widened once into a float16 workspace (at most 1 GiB), which the kernel
+    then reads as a 16-bit pool's, with the same numerics and output bits as when it widens
+    each row itself; ``KDTREE_VERIFY_FP8_WIDEN=0`` or ``1`` forces the choice.
     Each variable is read at every call, so also when a CUDA graph is captured.
 
     Parameters

@@ -1016,16 +1016,17 @@ VERIFY_GRID = [  # (prefix lens, node counts, heads)
 # run the portable kernel with the row tile the shape picks.
 VERIFY_KERNEL_ENV = {
     # 64-row tiles keep the seesaw kernel on the small fp8 requests it would hand to the
-    # portable kernel's 16-row CTA (test_verify_attn_cuda_sm90_kernel_choice).
-    "seesaw": {"KDTREE_VERIFY_ROWS": "64", "KDTREE_VERIFY_BALANCE": "0"},
+    # portable kernel's 16-row CTA (test_verify_attn_cuda_sm90_kernel_choice); fp8 pools stay on
+    # the kernel's own widening, also where the widened route is the default (fp8widen runs it).
+    "seesaw": {"KDTREE_VERIFY_ROWS": "64", "KDTREE_VERIFY_BALANCE": "0", "KDTREE_VERIFY_FP8_WIDEN": "0"},
     # the seesaw kernel on the balanced schedule (BalancedWork), even for one request
-    "balanced": {"KDTREE_VERIFY_ROWS": "64", "KDTREE_VERIFY_BALANCE": "1"},
+    "balanced": {"KDTREE_VERIFY_ROWS": "64", "KDTREE_VERIFY_BALANCE": "1", "KDTREE_VERIFY_FP8_WIDEN": "0"},
     "wgmma": {"KDTREE_VERIFY_SEESAW": "0"},
     # over an fp8 pool the opt-in keys-as-M kernel (verify_attn_sm90_fp8.cu); else the seesaw one
     "fp8keys": {"KDTREE_VERIFY_ROWS": "64", "KDTREE_VERIFY_BALANCE": "0", "KDTREE_VERIFY_FP8_KERNEL": "1"},
     "fp8keys_balanced": {"KDTREE_VERIFY_ROWS": "64", "KDTREE_VERIFY_BALANCE": "1", "KDTREE_VERIFY_FP8_KERNEL": "1"},
-    # over an fp8 pool the opt-in widened route (rows widened once into an f16 workspace, then the
-    # seesaw kernel); else the seesaw kernel
+    # over an fp8 pool the widened route wherever it can run (rows widened once into an f16
+    # workspace, then the seesaw kernel); else the seesaw kernel
     "fp8widen": {"KDTREE_VERIFY_ROWS": "64", "KDTREE_VERIFY_BALANCE": "0", "KDTREE_VERIFY_FP8_WIDEN": "1"},
     "fp8widen_balanced": {"KDTREE_VERIFY_ROWS": "64", "KDTREE_VERIFY_BALANCE": "1", "KDTREE_VERIFY_FP8_WIDEN": "1"},
     "portable": {"KDTREE_VERIFY_WGMMA": "0", "KDTREE_VERIFY_ROWS": "64", "KDTREE_VERIFY_BALANCE": "0"},
@@ -1404,13 +1405,14 @@ def test_verify_attn_cuda_sm90_boxable_instance(pool, tma, prefix, hint, want, m
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("storage", FP8_STORAGES, ids=FP8_IDS)
 def test_verify_attn_cuda_fp8_widened_same_bits(balance, index_dtype, causal, storage, monkeypatch):
-    """KDTREE_VERIFY_FP8_WIDEN=1 widens an fp8 pool's rows once into an f16 workspace (the
-    widening kernel serves the call, then the seesaw instance for a widened pool: Pool 2), and
-    the kernel then computes from the same f16 values what its fp8 path computes from the rows
-    it widens itself: the same bits, at odd lengths over both schedules. Without the variable
-    the route stays off."""
-    for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA", "KDTREE_VERIFY_FP8_KERNEL", "KDTREE_VERIFY_FP8_WIDEN"):
+    """The widened route (KDTREE_VERIFY_FP8_WIDEN=1) widens an fp8 pool's rows once into an f16
+    workspace (the widening kernel serves the call, then the seesaw instance for a widened pool:
+    Pool 2), and the kernel then computes from the same f16 values what its fp8 path
+    (KDTREE_VERIFY_FP8_WIDEN=0) computes from the rows it widens itself: the same bits, at odd
+    lengths over both schedules."""
+    for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA", "KDTREE_VERIFY_FP8_KERNEL"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("KDTREE_VERIFY_FP8_WIDEN", "0")
     monkeypatch.setenv("KDTREE_VERIFY_ROWS", "64")
     monkeypatch.setenv("KDTREE_VERIFY_BALANCE", balance)
     case, ref = fp8_pool(make_verify_case([1500, 0, 77, 2049], [9, 5, 17, 3], 16, index_dtype=index_dtype,
@@ -1424,6 +1426,28 @@ def test_verify_attn_cuda_fp8_widened_same_bits(balance, index_dtype, causal, st
     assert [n for n in names if "seesaw_kernel<" in n and re.search(r"Pool\W*2, ", n)], names
     assert torch.equal(out, out_w) and torch.equal(lse, lse_w)
     assert_verify_close(out_w, lse_w, ref)
+
+
+@pytest.mark.skipif(not GPU or torch.cuda.get_device_capability() != (9, 0), reason="the Hopper kernels serve sm_90 only")
+@pytest.mark.parametrize("heads,node_counts,pool,want", [
+    (16, [33], "uint8", True),  # 528 rows: 9 row tiles a request
+    (16, [33, 33, 33], "float8_e4m3fn", True),
+    (128, [1], "uint8", False),  # 2 row tiles a request
+    (16, [32], "uint8", False),  # 512 rows: 8
+    (16, [9, 57], "uint8", True),  # T a multiple of B: the host counts 33 nodes a request
+    (16, [9, 56], "uint8", False),  # otherwise all rows: 65 x 16 in 17 tiles, under 9 a request
+    (16, [33], "q_dtype", False),  # a 16-bit pool has nothing to widen
+])
+def test_verify_attn_cuda_fp8_widened_by_default(heads, node_counts, pool, want, monkeypatch):
+    """Without KDTREE_VERIFY_FP8_WIDEN an fp8 pool takes the widened route from 9 row tiles a
+    request on: read off the kernels that served the call."""
+    for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA", "KDTREE_VERIFY_ROWS", "KDTREE_VERIFY_FP8_KERNEL",
+                 "KDTREE_VERIFY_FP8_WIDEN", "KDTREE_VERIFY_BALANCE"):
+        monkeypatch.delenv(name, raising=False)
+    case, kw, ref = with_pool(make_verify_case([3000] * len(node_counts), node_counts, heads), pool)
+    (out, lse), names = launched_kernels(lambda: kdtree_ops.verify_attn(*verify_args(case), **kw))
+    assert bool([n for n in names if "widen_fp8_pool_kernel" in n]) == want, names
+    assert_verify_close(out, lse, ref)
 
 
 @pytest.mark.skipif(not GPU or torch.cuda.get_device_capability() != (9, 0), reason="the Hopper kernels serve sm_90 only")
@@ -1443,7 +1467,7 @@ def test_verify_guard_fp8_widened_slot_out_of_range(monkeypatch):
     poisoned_requests(out, lse, case["qo_indptr"], {1})
     assert kdtree_ops.guard_errors() == [GUARD_SLOT]
     case["kv_indices"] = good
-    monkeypatch.delenv("KDTREE_VERIFY_FP8_WIDEN")
+    monkeypatch.setenv("KDTREE_VERIFY_FP8_WIDEN", "0")
     out0, lse0 = kdtree_ops.verify_attn(*verify_args(case), k_scale=case["k_scale"])
     keep = torch.ones(out.shape[0], dtype=torch.bool)
     keep[9:14] = False

@@ -1082,15 +1082,19 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   // partials, and no merge, whose blocks would only find that out (1 x 128 x 65 @32k on the
   // balanced schedule, H100: 39 us of merge for nothing).
   const bool merge = balanced ? plane_ctas > 1 : splits > 1;
-  // KDTREE_VERIFY_FP8_WIDEN=1 (opt-in, not yet timed on a GPU): an fp8 pool on the seesaw kernel
-  // is first widened, every prefix row once, into an f16 workspace in the pool's units
-  // (launch_widen_fp8_pool), which the kernel then reads as a 16-bit pool, with the fp8 path's
-  // numerics. The fp8 path widens each row once per row tile that reads it (130 times at 128
-  // heads x 65 nodes); this costs 1,728 more bytes per prefix row instead, before the kernel
-  // (BENCHMARKS.md: "widening each key once"). Not past kWidenBytesCap of workspace.
+  // The widened route: an fp8 pool on the seesaw kernel is first widened, every prefix row once,
+  // into an f16 workspace in the pool's units (launch_widen_fp8_pool), which the kernel then reads
+  // as a 16-bit pool (tensor-map boxes throughout: the workspace is contiguous), with the fp8
+  // path's numerics and output bits. The fp8 path widens each row once per row tile that reads
+  // it; the route costs 1,728 more bytes a prefix row before the kernel instead. On an H100 it
+  // paid from 9 row tiles a request (528-576 rows: 1.03-1.04x over pages, 1.17x over scattered
+  // slots; 384 rows: 0.95x) up to 1.55x (pages) and 1.82x (scattered) at 8,320 rows
+  // (BENCHMARKS.md). KDTREE_VERIFY_FP8_WIDEN=0 or 1 forces the choice; never past
+  // kWidenBytesCap of workspace.
   const int64_t widen_rows = std::max<int64_t>(kv_indices.size(0), 1);
   const bool widen = fp8 && which == VerifyKernel::kSeesaw && batch <= 65535 &&
-                     (widen_rows + T) * kDqk * 2 <= kWidenBytesCap && env_flag("KDTREE_VERIFY_FP8_WIDEN", false);
+                     (widen_rows + T) * kDqk * 2 <= kWidenBytesCap &&
+                     env_flag("KDTREE_VERIFY_FP8_WIDEN", work_tiles >= 9 * batch);
   at::Tensor part_o, part_lse;
   if (merge && balanced) {
     const int64_t partials = planes * plane_ctas * 2;  // share_partial
