@@ -16,8 +16,8 @@
 //    noise; with two row tiles, 64x128x1 @8k, 6-10% slower, so not there). An fp8 pool's
 //    tile of 64 consecutive slots lands as boxes of e4m3 bytes, which the producer widens
 //    before the half is ready (H100: 11-12% fewer cycles than its 16-byte copies). An fp8 pool
-//    widened beforehand into an f16 workspace (launch_widen_fp8_pool; opt-in, not yet timed)
-//    lands as a 16-bit pool does and is computed as an fp8 one.
+//    widened beforehand into an f16 workspace (launch_widen_fp8_pool: requests of 9 row tiles
+//    and more) lands as a 16-bit pool does and is computed as an fp8 one.
 //  - WG0 and WG1, the consumers: WG0 computes S = Q K^T for the even tile of each pair (K
 //    buffer 0), WG1 for the odd tile (buffer 1), each with the full 64 x 64 x 576 product.
 //    WG0 owns O[:, 0:256), WG1 O[:, 256:512). Each runs the softmax of its own tile and
