@@ -987,9 +987,14 @@ def test_verify_attn_reference_fp8_is_the_dequantized_pool(storage, source, kv_3
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["verify_attn", "verify_attn_out"])
-def test_verify_attn_opcheck_float8_e4m3fn_pool(name, device):
-    """SAMPLES' fp8 samples (e4m3 bytes, every k_scale form) with a float8_e4m3fn pool instead.
-    Without opcheck's test_schema: it compares inputs by allclose, which float8 lacks."""
+@pytest.mark.parametrize("widen", ["", "1"], ids=["default", "widened"])
+def test_verify_attn_opcheck_float8_e4m3fn_pool(name, device, widen, monkeypatch):
+    """SAMPLES' fp8 samples (e4m3 bytes, every k_scale form) with a float8_e4m3fn pool instead,
+    also with the widened route forced (KDTREE_VERIFY_FP8_WIDEN=1; it serves the Hopper kernel's
+    requests). Without opcheck's test_schema: it compares inputs by allclose, which float8 lacks."""
+    default_verify_kernels(monkeypatch)
+    if widen:
+        monkeypatch.setenv("KDTREE_VERIFY_FP8_WIDEN", widen)
     op = getattr(torch.ops.kdtree, name).default
     fp8 = [args for args, _ in SAMPLES[name].make(device, 0) if args[1].dtype == torch.uint8]
     assert len(fp8) == 4
@@ -1038,12 +1043,17 @@ VERIFY_KERNEL_ENV = {
 }
 
 
+def default_verify_kernels(monkeypatch):
+    """Unsets every variable that steers verify_attn's choice of kernel, schedule and route."""
+    for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA", "KDTREE_VERIFY_ROWS", "KDTREE_VERIFY_BALANCE",
+                 "KDTREE_VERIFY_FP8_KERNEL", "KDTREE_VERIFY_FP8_WIDEN", "KDTREE_VERIFY_TMA"):
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.fixture(params=list(VERIFY_KERNEL_ENV))
 def verify_kernel(request, monkeypatch):
     """Runs the test once per kernel (the choice is read at every call, so also at capture)."""
-    for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA", "KDTREE_VERIFY_ROWS", "KDTREE_VERIFY_BALANCE",
-                 "KDTREE_VERIFY_FP8_KERNEL", "KDTREE_VERIFY_FP8_WIDEN"):
-        monkeypatch.delenv(name, raising=False)
+    default_verify_kernels(monkeypatch)
     for name, value in VERIFY_KERNEL_ENV[request.param].items():
         monkeypatch.setenv(name, value)
     return request.param
@@ -1386,9 +1396,7 @@ def test_verify_attn_cuda_sm90_boxable_instance(pool, tma, prefix, hint, want, m
     """Which seesaw instance serves a call, read off the kernel's template arguments (Pool: 0 a
     16-bit pool, 1 an fp8 one; Boxable; Balanced false, one request): boxes only where the hint
     gives each CTA at least two 64-key tile pairs."""
-    for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA", "KDTREE_VERIFY_ROWS", "KDTREE_VERIFY_FP8_WIDEN"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.delenv("KDTREE_VERIFY_TMA", raising=False)
+    default_verify_kernels(monkeypatch)
     if tma:
         monkeypatch.setenv("KDTREE_VERIFY_TMA", tma)
     case, kw, ref = with_pool(make_verify_case([prefix], [9], 16, slots="pages"), pool)
@@ -1410,8 +1418,7 @@ def test_verify_attn_cuda_fp8_widened_same_bits(balance, index_dtype, causal, st
     Pool 2), and the kernel then computes from the same f16 values what its fp8 path
     (KDTREE_VERIFY_FP8_WIDEN=0) computes from the rows it widens itself: the same bits, at odd
     lengths over both schedules."""
-    for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA", "KDTREE_VERIFY_FP8_KERNEL"):
-        monkeypatch.delenv(name, raising=False)
+    default_verify_kernels(monkeypatch)
     monkeypatch.setenv("KDTREE_VERIFY_FP8_WIDEN", "0")
     monkeypatch.setenv("KDTREE_VERIFY_ROWS", "64")
     monkeypatch.setenv("KDTREE_VERIFY_BALANCE", balance)
@@ -1441,9 +1448,7 @@ def test_verify_attn_cuda_fp8_widened_same_bits(balance, index_dtype, causal, st
 def test_verify_attn_cuda_fp8_widened_by_default(heads, node_counts, pool, want, monkeypatch):
     """Without KDTREE_VERIFY_FP8_WIDEN an fp8 pool takes the widened route from 9 row tiles a
     request on: read off the kernels that served the call."""
-    for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA", "KDTREE_VERIFY_ROWS", "KDTREE_VERIFY_FP8_KERNEL",
-                 "KDTREE_VERIFY_FP8_WIDEN", "KDTREE_VERIFY_BALANCE"):
-        monkeypatch.delenv(name, raising=False)
+    default_verify_kernels(monkeypatch)
     case, kw, ref = with_pool(make_verify_case([3000] * len(node_counts), node_counts, heads), pool)
     (out, lse), names = launched_kernels(lambda: kdtree_ops.verify_attn(*verify_args(case), **kw))
     assert bool([n for n in names if "widen_fp8_pool_kernel" in n]) == want, names
@@ -1454,8 +1459,7 @@ def test_verify_attn_cuda_fp8_widened_by_default(heads, node_counts, pool, want,
 def test_verify_guard_fp8_widened_slot_out_of_range(monkeypatch):
     """A prefix slot outside an fp8 pool, met by the widening (KDTREE_VERIFY_FP8_WIDEN=1): its
     request's rows come out NaN, the others as without the route, and the slot guard raised."""
-    for name in ("KDTREE_VERIFY_SEESAW", "KDTREE_VERIFY_WGMMA", "KDTREE_VERIFY_FP8_KERNEL", "KDTREE_VERIFY_BALANCE"):
-        monkeypatch.delenv(name, raising=False)
+    default_verify_kernels(monkeypatch)
     monkeypatch.setenv("KDTREE_VERIFY_ROWS", "64")
     monkeypatch.setenv("KDTREE_VERIFY_FP8_WIDEN", "1")
     case, _ = fp8_pool(make_verify_case([1500, 700, 2100], [9, 5, 13], 16), torch.uint8, 0.37)
