@@ -1145,27 +1145,21 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
     p.tokens = static_cast<int>(T);
     p.guard = guard_words();
 
-    bool idx32 = kv_indices.scalar_type() == at::kInt;
-    at::Tensor widened_rows, widened_tree, ident, req_bad;  // the widened route's workspace
+    const bool idx32 = kv_indices.scalar_type() == at::kInt;
+    at::Tensor widened, req_bad;  // the widened route's workspace: prefix rows, then tree rows
     if (widen) {
-      widened_rows = at::empty({widen_rows, kDqk}, q.options().dtype(at::kHalf));
-      widened_tree = at::empty({T, kDqk}, q.options().dtype(at::kHalf));
-      ident = at::empty({widen_rows}, q.options().dtype(at::kInt));
-      req_bad = at::empty({batch}, q.options().dtype(at::kInt));
-      C10_CUDA_CHECK(cudaMemsetAsync(req_bad.data_ptr(), 0, batch * sizeof(int32_t), current_stream()));
-      auto* rows16 = reinterpret_cast<__half*>(widened_rows.data_ptr());
-      auto* tree16 = reinterpret_cast<__half*>(widened_tree.data_ptr());
-      launch_widen_fp8_pool(p, idx32, rows16, tree16, ident.data_ptr<int32_t>(), req_bad.data_ptr<int32_t>(), sms,
-                            current_stream());
-      p.kv = reinterpret_cast<const T_*>(rows16);
+      widened = at::empty({widen_rows + T, kDqk}, q.options().dtype(at::kHalf));
+      req_bad = at::empty({batch}, q.options().dtype(at::kInt)).zero_();
+      auto* ws_rows = reinterpret_cast<__half*>(widened.data_ptr());
+      auto* ws_tree = ws_rows + widen_rows * kDqk;
+      launch_widen_fp8_pool(p, idx32, ws_rows, ws_tree, req_bad.data_ptr<int32_t>(), sms, current_stream());
+      p.kv = reinterpret_cast<const T_*>(ws_rows);
       p.kv8 = nullptr;
       p.kv_stride = kDqk;
       p.kv_rows = widen_rows;
-      p.tree_k = reinterpret_cast<const T_*>(tree16);
+      p.tree_k = reinterpret_cast<const T_*>(ws_tree);
       p.tk_stride = kDqk;
-      p.kv_indices = ident.data_ptr();
       p.req_bad = req_bad.data_ptr<int32_t>();
-      idx32 = true;
     }
     const dim3 grid = balanced ? dim3(static_cast<unsigned>(planes), static_cast<unsigned>(plane_ctas))
                                : dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(splits));

@@ -499,10 +499,10 @@ template <typename T>
 void launch_verify_attn_fp8(const VerifyParams<T>& p, bool idx32, dim3 grid, cudaStream_t stream);
 // The widened route for an fp8 pool (sm_90a): every prefix row of the batch (kv_indices
 // position i) as f16 in the pool's units into ws row i, every tree row divided by k_scale into
-// ws_tree, i into ident[i], and req_bad[b] (zeroed by the caller) set for a request whose slots
-// or tree rows the seesaw kernel's fp8 path would have met as bad. p describes the fp8 pool.
+// ws_tree, and req_bad[b] (zeroed by the caller) set for a request whose slots or tree rows the
+// seesaw kernel's fp8 path would have met as bad. p describes the fp8 pool.
 template <typename T>
-void launch_widen_fp8_pool(const VerifyParams<T>& p, bool idx32, __half* ws, __half* ws_tree, int32_t* ident,
-                           int32_t* req_bad, int sms, cudaStream_t stream);
+void launch_widen_fp8_pool(const VerifyParams<T>& p, bool idx32, __half* ws, __half* ws_tree, int32_t* req_bad,
+                           int sms, cudaStream_t stream);
 
 }  // namespace kdtree

@@ -38,6 +38,8 @@
 #include <cuda.h>  // CUtensorMap; the encoder is fetched from the driver at run time
 #include <cudaTypedefs.h>
 
+#include <utility>  // declval
+
 namespace kdtree {
 namespace {
 
@@ -180,6 +182,21 @@ __device__ __forceinline__ void sts128(uint32_t addr, uint4 v) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
+// A request's prefix slots, key by key: a pointer into kv_indices, or over a widened pool a
+// PositionSlots, which stands for the kv_indices positions themselves (launch_widen_fp8_pool
+// put position i's row at workspace row i) and reads no index. load_slot reads either.
+struct PositionSlots {
+  int32_t position;
+  __device__ __forceinline__ PositionSlots operator+(int keys) const { return {position + keys}; }
+  __device__ __forceinline__ PositionSlots operator-(int keys) const { return {position - keys}; }
+};
+template <typename Idx>
+__device__ __forceinline__ Idx load_slot(const Idx* at) {
+  return __ldg(at);
+}
+__device__ __forceinline__ int32_t load_slot(PositionSlots at) { return at.position; }
+template <typename Slots> using SlotIndexOf = decltype(load_slot(std::declval<Slots>()));
+
 // The producer over an fp8 pool (Fp8Math). Thread lt owns a row r of each tile and dims
 // [16 hh, +16) and [32 + 16 hh, +16) (hh = 0 or 1) of each 64-dim column block: four 16-byte
 // chunks of the swizzled K buffer, so that the two threads of a row copy whole 32-byte
@@ -200,11 +217,12 @@ __device__ __forceinline__ void sts128(uint32_t addr, uint4 v) {
 // of a box into its two column blocks (see widen). Every warp votes on the tile's 64 slots by
 // itself, so the warps agree without a barrier; in this loop the producer's polls are
 // warp-uniform, so a warp stays converged for the widening's syncwarp.
-template <bool Boxed, typename T, typename Idx, typename SlotOf>
+template <bool Boxed, typename T, typename Slots, typename SlotOf>
 __device__ __forceinline__ void produce_fp8(const VerifyParams<T>& p, const CUtensorMap* kv_map, uint32_t sK,
-                                            uint8_t* k_smem, SlotOf slot_of, const Idx* kv_indices, int q_begin,
+                                            uint8_t* k_smem, SlotOf slot_of, Slots slots, int q_begin,
                                             int prefix, int key_begin, int key_end, int n_pairs, uint32_t pair_base,
                                             int lt, uint32_t bar_q, bool& bad, bool& beyond) {
+  using Idx = SlotIndexOf<Slots>;
   // Lanes 0-7 of a warp: rows 8 w' .. 8 w' + 7 with hh = 0, lanes 8-15 the same rows with hh = 1
   // (w' = 2 warp + lane / 16): each 16-byte access phase of 8 lanes meets 8 distinct swizzled
   // chunks, and one copy instruction reads whole sectors.
@@ -230,7 +248,7 @@ __device__ __forceinline__ void produce_fp8(const VerifyParams<T>& p, const CUte
     if (key0 + kTileKeys > unmasked_end) return false;  // CTA-uniform
     // In L1: the rows' own slots were loaded from these lines half a pair ago.
     const int lane = lt & 31;
-    const Idx lo = __ldg(kv_indices + key0 + lane), hi = __ldg(kv_indices + key0 + 32 + lane);
+    const Idx lo = load_slot(slots + key0 + lane), hi = load_slot(slots + key0 + 32 + lane);
     const Idx first = __shfl_sync(0xffffffffu, lo, 0);
     const bool ok = first >= 0 && static_cast<uint64_t>(first) + kTileKeys <= static_cast<uint64_t>(p.kv_rows) &&
                     lo == first + lane && hi == first + 32 + lane;
@@ -367,10 +385,10 @@ __device__ __forceinline__ bool looks_consecutive(Idx first, Idx last) {
   return first >= 0 && static_cast<uint64_t>(last) - static_cast<uint64_t>(first) == kTileKeys - 1;
 }
 // Whether this CTA's first tile looks consecutive: the CTA then takes the boxed producer.
-template <typename Idx>
-__device__ __forceinline__ bool kv_runs(const Idx* kv_indices, int prefix, int key_begin, int key_end) {
+template <typename Slots>
+__device__ __forceinline__ bool kv_runs(Slots slots, int prefix, int key_begin, int key_end) {
   if (key_begin + kTileKeys > min(prefix, key_end)) return false;
-  return looks_consecutive(__ldg(kv_indices + key_begin), __ldg(kv_indices + key_begin + kTileKeys - 1));
+  return looks_consecutive(load_slot(slots + key_begin), load_slot(slots + key_begin + kTileKeys - 1));
 }
 
 // The producer over a bf16/fp16 pool. Thread (group grp, chunk ck) copies rows grp + 16 j
@@ -381,11 +399,12 @@ __device__ __forceinline__ bool kv_runs(const Idx* kv_indices, int prefix, int k
 // first tile looks like a run (kv_runs) takes a copy loop that tests every tile; any other
 // runs one without the test: with both paths in one loop, scattered slots ran 7-13% slower
 // on an H200 even with the boxes switched off. Boxable = false compiles the second alone.
-template <bool Boxable, typename T, typename Idx, typename SlotOf>
+template <bool Boxable, typename T, typename Slots, typename SlotOf>
 __device__ __forceinline__ void produce_rows(const VerifyParams<T>& p, const CUtensorMap* kv_map, uint32_t sK,
-                                             SlotOf slot_of, const Idx* kv_indices, int q_begin, int prefix,
+                                             SlotOf slot_of, Slots slots, int q_begin, int prefix,
                                              int key_begin, int key_end, int n_pairs, uint32_t pair_base, int lt,
                                              uint32_t bar_q, bool& bad, bool lead) {
+  using Idx = SlotIndexOf<Slots>;
   const int grp = lt >> 3, ck = lt & 7;
   const uint32_t dst = grp * 128 + ((ck ^ (grp & 7)) << 4);  // (grp + 16 j) & 7 == grp & 7
   auto bar_ready = [&](int buf, int half) { return k_ready_bar(bar_q, buf, half); };
@@ -408,7 +427,7 @@ __device__ __forceinline__ void produce_rows(const VerifyParams<T>& p, const CUt
 #pragma unroll
   for (int i = 0; i < 8; ++i) slot[i] = slot_of(key_of(0, i));
   // The test's two loads go out behind the slots' loads: one memory latency before the first copy.
-  const bool boxed = Boxable && kv_runs(kv_indices, prefix, key_begin, key_end);
+  const bool boxed = Boxable && kv_runs(slots, prefix, key_begin, key_end);
   // Boxed: the first slot of each tile of the pair where its slots run consecutively inside
   // the pool, else -1. All 128 threads agree (one barrier), so one of them issues the boxes.
   int run[2] = {-1, -1};
@@ -416,7 +435,7 @@ __device__ __forceinline__ void produce_rows(const VerifyParams<T>& p, const CUt
   auto find_run = [&](int pr, int tl) {
     const int key0 = key_begin + pr * kPairKeys + tl * kTileKeys;
     if (key0 + kTileKeys > unmasked_end) return -1;  // CTA-uniform
-    const Idx first = __ldg(kv_indices + key0);  // cached: warp 0 just loaded it as its slot
+    const Idx first = load_slot(slots + key0);  // cached: warp 0 just loaded it as its slot
     bool mine = first >= 0 && static_cast<uint64_t>(first) + kTileKeys <= static_cast<uint64_t>(p.kv_rows);
 #pragma unroll
     for (int j = 0; j < 4; ++j) mine &= slot[4 * tl + j] == first + grp + 16 * j;
@@ -433,8 +452,8 @@ __device__ __forceinline__ void produce_rows(const VerifyParams<T>& p, const CUt
     for (int tl = 0; tl < 2; ++tl) {
       const int key0 = key_begin + pr * kPairKeys + tl * kTileKeys;
       const bool in = key0 + kTileKeys <= unmasked_end;
-      pf_first[tl] = in ? static_cast<int>(__ldg(kv_indices + key0)) : -1;
-      pf_last[tl] = in ? static_cast<int>(__ldg(kv_indices + key0 + kTileKeys - 1)) : 0;
+      pf_first[tl] = in ? static_cast<int>(load_slot(slots + key0)) : -1;
+      pf_last[tl] = in ? static_cast<int>(load_slot(slots + key0 + kTileKeys - 1)) : 0;
     }
   };
   if (Boxable && pf_lane) pf_load(1);
@@ -541,6 +560,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto bar_free = [&](int buf, int half) { return k_free_bar(bar_q, buf, half); };
   auto bar_block = [&](int buf, int cb) { return k_block_bar(bar_q, buf, cb); };
   Segment* s_seg = reinterpret_cast<Segment*>(smem + kOffSeg);
+  // The prefix slots of the request whose first kv_indices entry is kv_begin.
+  auto slots_from = [&](int kv_begin) {
+    if constexpr (kPool == Pool::kWidened) {
+      return PositionSlots{kv_begin};
+    } else {
+      return static_cast<const Idx*>(p.kv_indices) + kv_begin;
+    }
+  };
 
   const int tid = threadIdx.x, wg = tid / kWgThreads, lt = tid % kWgThreads;
   const bool has_work = start_segments<kRows, Balanced>(p, s_seg, tid, [&] {
@@ -580,25 +607,25 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       cp_async_arrive(bar_q);
 
-      const Idx* kv_indices = static_cast<const Idx*>(p.kv_indices) + kv_begin;
+      const auto slots = slots_from(kv_begin);
       bool bad = false;     // met a prefix slot outside kv_cache (checked_slot)
       bool beyond = false;  // fp8: a tree row beyond f16 in the pool's units (kGuardFp8Range)
       auto slot_of = [&](int key) {
-        return key < prefix && key < key_end ? __ldg(kv_indices + key) : Idx(0);
+        return key < prefix && key < key_end ? load_slot(slots + key) : Idx(0);
       };
       if constexpr (Lands8) {
         auto produce = [&](auto boxed) {
-          produce_fp8<decltype(boxed)::value>(p, &kv_map, sK, smem + kOffK, slot_of, kv_indices, q_begin, prefix,
+          produce_fp8<decltype(boxed)::value>(p, &kv_map, sK, smem + kOffK, slot_of, slots, q_begin, prefix,
                                               key_begin, key_end, n_pairs, pair_base, lt, bar_q, bad, beyond);
         };
         // As for 16-bit pools: scattered slots get a loop without the boxes' tests.
-        if (Boxable && kv_runs(kv_indices, prefix, key_begin, key_end)) {
+        if (Boxable && kv_runs(slots, prefix, key_begin, key_end)) {
           if constexpr (Boxable) produce(std::true_type{});
         } else {
           produce(std::false_type{});
         }
       } else {
-        produce_rows<Boxable>(p, &kv_map, sK, slot_of, kv_indices, q_begin, prefix, key_begin, key_end, n_pairs,
+        produce_rows<Boxable>(p, &kv_map, sK, slot_of, slots, q_begin, prefix, key_begin, key_end, n_pairs,
                               pair_base, lt, bar_q, bad, row0 == 0 && rows_b > 2 * kRows);
       }
       if constexpr (Balanced) {
@@ -634,7 +661,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       float q_factor = 1.f;
       // Which copy loop the producer runs (the same test): its two loads go out before Q's wait.
       const bool block_bars =  // an fp8 pool's boxes are widened, so ready by halves as its copies
-          Boxable && !Lands8 && kv_runs(static_cast<const Idx*>(p.kv_indices) + kv_begin, prefix, key_begin, key_end);
+          Boxable && !Lands8 && kv_runs(slots_from(kv_begin), prefix, key_begin, key_end);
       const uint32_t pair_base = block_bars ? block_pairs : half_pairs;
       mbar_wait(bar_q, k & 1);
       if constexpr (Fp8 && std::is_same_v<T, __nv_bfloat16>) {
@@ -994,12 +1021,11 @@ bool encode_kv_map(const VerifyParams<T>& p, CUtensorMap& map) {
 }
 
 // KDTREE_VERIFY_TMA=0 (or boxes = false) keeps every tile on cp.async. A widened pool
-// (p.req_bad set) comes with int32 slots (launch_widen_fp8_pool's ident).
+// (p.req_bad set) reads no slot index (PositionSlots), so one instance serves either index type.
 template <typename T>
 void launch_verify_attn_seesaw(const VerifyParams<T>& p, bool idx32, bool boxes, dim3 grid, cudaStream_t stream) {
   CUtensorMap kv_map{};
   const bool boxable = boxes && env_flag("KDTREE_VERIFY_TMA", true) && encode_kv_map(p, kv_map);
-  TORCH_CHECK(!p.req_bad || idx32, "kdtree_ops: a widened fp8 pool takes int32 slots");
   auto kernel = with_flag(p.balanced > 0, [&](auto balanced) {
     return with_flag(idx32, [&](auto i32) {
       return with_flag(boxable, [&](auto bx) {
@@ -1031,7 +1057,7 @@ namespace {
 constexpr int kPieces = kDqk / 16, kRowsPerBlock = 8;
 template <typename T, typename Idx>
 __global__ void __launch_bounds__(kPieces * kRowsPerBlock)
-    widen_fp8_pool_kernel(const VerifyParams<T> p, uint4* ws, uint4* ws_tree, int32_t* ident, int32_t* req_bad) {
+    widen_fp8_pool_kernel(const VerifyParams<T> p, uint4* ws, uint4* ws_tree, int32_t* req_bad) {
 #ifdef KD_SM90A
   const int b = blockIdx.y;
   const int64_t kv_begin = p.kv_indptr[b], kv_end = p.kv_indptr[b + 1];
@@ -1050,7 +1076,6 @@ __global__ void __launch_bounds__(kPieces * kRowsPerBlock)
     const uint4 v = *reinterpret_cast<const uint4*>(p.kv8 + slot * p.kv_stride + 16 * piece);
     ws[(i * kPieces + piece) * 2] = widen_e4m3x8(make_uint2(v.x, v.y));
     ws[(i * kPieces + piece) * 2 + 1] = widen_e4m3x8(make_uint2(v.z, v.w));
-    if (piece == 0) ident[i] = static_cast<int32_t>(i);
   }
   // As the fp8 producer turns a tree row into the pool's units (one f16 rounding).
   const float tree_to_pool = 1.f / kv_scale(p);
@@ -1073,21 +1098,21 @@ __global__ void __launch_bounds__(kPieces * kRowsPerBlock)
 }  // namespace
 
 template <typename T>
-void launch_widen_fp8_pool(const VerifyParams<T>& p, bool idx32, __half* ws, __half* ws_tree, int32_t* ident,
-                           int32_t* req_bad, int sms, cudaStream_t stream) {
+void launch_widen_fp8_pool(const VerifyParams<T>& p, bool idx32, __half* ws, __half* ws_tree, int32_t* req_bad,
+                           int sms, cudaStream_t stream) {
   // About seven blocks (2,016 threads) an SM over the batch: the pass streams 1,728 bytes a
   // prefix row.
   const unsigned per_request = static_cast<unsigned>(std::max(1, 7 * sms / std::max(p.batch, 1)));
   const dim3 grid(per_request, static_cast<unsigned>(p.batch));
   auto kernel = idx32 ? widen_fp8_pool_kernel<T, int32_t> : widen_fp8_pool_kernel<T, int64_t>;
   kernel<<<grid, kPieces * kRowsPerBlock, 0, stream>>>(p, reinterpret_cast<uint4*>(ws), reinterpret_cast<uint4*>(ws_tree),
-                                                       ident, req_bad);
+                                                       req_bad);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template void launch_widen_fp8_pool<__nv_bfloat16>(const VerifyParams<__nv_bfloat16>&, bool, __half*, __half*, int32_t*,
-                                                   int32_t*, int, cudaStream_t);
-template void launch_widen_fp8_pool<__half>(const VerifyParams<__half>&, bool, __half*, __half*, int32_t*, int32_t*, int,
+                                                   int, cudaStream_t);
+template void launch_widen_fp8_pool<__half>(const VerifyParams<__half>&, bool, __half*, __half*, int32_t*, int,
                                             cudaStream_t);
 
 }  // namespace kdtree
