@@ -621,6 +621,24 @@ def _eager() -> bool:
     return not torch.compiler.is_compiling()
 
 
+def _checked_by_the_op(call, check_args):
+    """``call()``, an op whose every impl checks its arguments itself (the CUDA impl in C++, the
+    CPU and fake impls through ``check_args``), so that an eager wrapper need not check them
+    first: on an H100 the Python checks took 13 of an eager verify_attn call's 35 us. Where the
+    op refuses its arguments, ``check_args`` names what is wrong in the words the CPU impl uses,
+    so a bad argument reads the same on every device."""
+    if not _eager():
+        return call()
+    try:
+        return call()
+    except (RuntimeError, TypeError, IndexError):
+        try:
+            check_args()
+        except RuntimeError as refused:
+            raise refused from None
+        raise
+
+
 def _value_checks(t: torch.Tensor) -> bool:
     """Whether a wrapper runs the value checks on ``t``'s device: on CUDA under KDTREE_CHECK=1
     (the CPU reference runs them itself), never while torch.compile traces it."""
@@ -1036,24 +1054,29 @@ def verify_attn(
         (``-inf`` for a row that sees nothing; its output is 0).
     """
     scale_t, scale_v = _k_scale_op_args(k_scale, kv_cache)
-    if _eager():
+
+    def check_args():
         _check_verify_args(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, out, lse, scale_t, scale_v)
-        if max_kv_len is not None:
-            _check_int("max_kv_len", max_kv_len, 0)
+
+    if _eager() and max_kv_len is not None:
+        _check_int("max_kv_len", max_kv_len, 0)
     if _value_checks(q):
+        check_args()  # the value checks read the arguments as valid
         _check_verify_values(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, scale_t)
     _cuda_kernels_for(q)
     hint = -1 if max_kv_len is None else max_kv_len
-    if out is None and lse is None:
-        return torch.ops.kdtree.verify_attn(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale,
-                                            hint, scale_t, scale_v)
-    if out is None:
-        out = q.new_empty(q.shape[0], q.shape[1], MLA_V_DIM)
-    if lse is None:
-        lse = q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
-    torch.ops.kdtree.verify_attn_out(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale, out, lse,
-                                     hint, scale_t, scale_v)
-    return out, lse
+
+    def call():
+        if out is None and lse is None:
+            return torch.ops.kdtree.verify_attn(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask,
+                                                sm_scale, hint, scale_t, scale_v)
+        o = q.new_empty(q.shape[0], q.shape[1], MLA_V_DIM) if out is None else out
+        s = q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32) if lse is None else lse
+        torch.ops.kdtree.verify_attn_out(q, kv_cache, kv_indptr, kv_indices, qo_indptr, tree_k, tree_mask, sm_scale, o, s,
+                                         hint, scale_t, scale_v)
+        return o, s
+
+    return _checked_by_the_op(call, check_args)
 
 
 def pack_bits(mask: torch.Tensor, words: int) -> torch.Tensor:

@@ -960,7 +960,7 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   KD_CHECK(std::fabs(k_scale_value) <= FLT_MAX && k_scale_usable(static_cast<float>(k_scale_value)),
            "k_scale must be finite and positive (a normal float32, >= 2^-126), got ", k_scale_value);
   if (k_scale) {
-    KD_CHECK(k_scale->scalar_type() == at::kFloat && k_scale->numel() == 1,
+    KD_CHECK(k_scale->scalar_type() == at::kFloat && k_scale->dim() <= 1 && k_scale->numel() == 1,
              "k_scale must be a float32 tensor of one element, got torch.", dtype_name(k_scale->scalar_type()), " ",
              k_scale->sizes());
     check_cuda(*k_scale, "k_scale", q);
