@@ -633,6 +633,24 @@ def test_bad_input_raises(bad, device, monkeypatch):
         bad.call(device)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_verify_attn_wrapper_leaves_argument_checks_to_the_op(device, monkeypatch):
+    """An eager verify_attn call checks its arguments once, in the op (the CPU impl's Python
+    checks, the CUDA impl's C++ ones), not again in the wrapper before it; a refused argument
+    then gets the Python checks' message on every device (test_bad_input_raises: which)."""
+    monkeypatch.delenv("KDTREE_CHECK", raising=False)
+    calls = []
+    checks = kdtree_ops._check_verify_args
+    monkeypatch.setattr(kdtree_ops, "_check_verify_args", lambda *a, **kw: calls.append(1) or checks(*a, **kw))
+    case = make_verify_case([40, 7], [3, 2], 2, device=device)
+    kdtree_ops.verify_attn(*verify_args(case))
+    assert len(calls) == (1 if device == "cpu" else 0)
+    calls.clear()
+    with pytest.raises(RuntimeError, match=re.escape("kdtree: lse must be float32")):
+        kdtree_ops.verify_attn(*verify_args(case), lse=torch.empty(5, 2, device=device, dtype=torch.bfloat16))
+    assert len(calls) == (2 if device == "cpu" else 1)
+
+
 def bad_input_table() -> str:
     """README.md's table of bad inputs, from BAD_INPUTS."""
     rows = ["| op | bad input | error (CPU always; CUDA as the last column says) | CUDA without `KDTREE_CHECK=1` |", "|---|---|---|---|"]
