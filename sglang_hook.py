@@ -125,15 +125,7 @@ def verify_attention(q, kv_buffer, kv_indptr, kv_indices, qo_indptr, k, packed_m
     H = out.numel() // (T * kdtree_ops.MLA_V_DIM) if T else 0
     args = (q.reshape(T, H, kdtree_ops.MLA_QK_DIM), kv_buffer, kv_indptr, kv_indices, qo_indptr,
             k.reshape(T, kdtree_ops.MLA_QK_DIM), packed_mask, scaling)
-    o = out.view(T, H, kdtree_ops.MLA_V_DIM)
-    if kdtree_ops.check_mode() or not q.is_cuda:
-        kdtree_ops.verify_attn(*args, out=o, max_kv_len=max_kv_len, k_scale=k_scale)
-    else:
-        # The op itself, not the wrapper: its C++ checks every argument on the host, and the
-        # wrapper would only add Python work to every layer's call in eager steps.
-        lse = q.new_empty(T, H, dtype=torch.float32)
-        torch.ops.kdtree.verify_attn_out(*args, o, lse, -1 if max_kv_len is None else max_kv_len, None,
-                                         1.0 if k_scale is None else k_scale)
+    kdtree_ops.verify_attn(*args, out=out.view(T, H, kdtree_ops.MLA_V_DIM), max_kv_len=max_kv_len, k_scale=k_scale)
     return out
 
 
