@@ -502,6 +502,21 @@ def _prefix_bound(fb) -> Optional[int]:
     return int(lens.max())
 
 
+def _prefix_indices(backend, md):
+    """The prefix slots of the batch, cut to what its requests can hold: each prefix is at most
+    the model's context length, the bound SGLang's own over-allocated index buffers assume.
+
+    Under CUDA graphs SGLang passes its whole graph buffer (max tokens x context length
+    entries). verify_attn sizes the widened fp8 route's workspace by the length it is given
+    and skips the route past 1 GiB, so uncut it would never run there. Only fp8 pools' calls
+    get the cut tensor: no other call's work depends on its length."""
+    ctx = getattr(backend, "max_context_len", None)
+    if not isinstance(ctx, int) or ctx < 1:
+        return md.kv_indices
+    bound = (md.kv_indptr.numel() - 1) * ctx
+    return md.kv_indices[:bound] if md.kv_indices.numel() > bound else md.kv_indices
+
+
 def _ours(tb, backend, q, k, v, layer, fb, save_kv_cache: bool, out: Optional[torch.Tensor] = None):
     """Our TARGET_VERIFY forward_extend: SGLang's KV save, then verify_attn into o."""
     md = backend.forward_metadata
@@ -520,14 +535,15 @@ def _ours(tb, backend, q, k, v, layer, fb, save_kv_cache: bool, out: Optional[to
     with prof.phase("mask", q.device) if prof else _null():
         packed = _step_mask(backend, md, T)
     kv = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
+    fp8 = kv.dtype == _FP8_E4M3
     # A python float, as SGLang passes its kernel: a per-layer constant a CUDA graph bakes in.
-    k_scale = _kv_descales(layer)[0] if kv.dtype == _FP8_E4M3 else None
+    k_scale = _kv_descales(layer)[0] if fp8 else None
     with prof.phase("attn.kdtree", q.device) if prof else _null():
         verify_attention(
             q,
             kv,
             md.kv_indptr,
-            md.kv_indices,
+            _prefix_indices(backend, md) if fp8 else md.kv_indices,
             md.qo_indptr,
             k,
             packed,

@@ -2643,6 +2643,41 @@ def test_hook_serves_fp8_pool(sgl, device, kind):
     assert st.warned == set()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_hook_fp8_graph_buffers_cut_to_context(sgl, device, monkeypatch):
+    """Over an fp8 pool, SGLang's CUDA-graph metadata hands the layer its whole index buffer
+    (max tokens x context length entries, here past what the widened route's 1 GiB workspace
+    holds). The hook gives verify_attn the batch's share of it, at most a context length a
+    request, so on an H100/H200 a request of 9 row tiles takes the widened route there too."""
+    default_verify_kernels(monkeypatch)
+    ctx, N, heads = 65536, 9, 64  # 64 heads x 9 nodes: 9 row tiles of 64 a request
+    srv = hook_server(sgl, device, "dflash", N=N, heads=heads, layers=1, kv_dtype=torch.float8_e4m3fn,
+                      max_context=ctx, pool_size=4096)
+    r = srv.runner
+    g = torch.Generator().manual_seed(5)
+    r.fill(g)
+    layer = r.layer(0, kv_scales=(0.37, 0.37))
+    r.backend.init_cuda_graph_state(max_bs=2, max_num_tokens=2 * N)
+    sglang_hook.install("on")
+    given = []
+    verify_attn = kdtree_ops.verify_attn
+    monkeypatch.setattr(kdtree_ops, "verify_attn", lambda *a, **kw: given.append(a[3].numel()) or verify_attn(*a, **kw))
+    step = sgl.verify_step(r, [1000, 333], hook_spec(srv, [1000, 333], g), generator=g)
+    r.backend.init_forward_metadata_out_graph(step.fb, in_capture=True)
+    whole = r.backend.forward_metadata.kv_indices.numel()
+    assert whole == 2 * N * ctx and (whole + step.T) * MLA_QK * 2 > 1 << 30
+    q, k, v = sgl.layer_inputs(r, step.T, g)
+    call = lambda: r.backend.forward_extend(q, k, v, layer, step.fb).clone()
+    if device == "cuda" and torch.cuda.get_device_capability() == (9, 0):
+        ours, names = launched_kernels(call)
+        assert [n for n in names if "widen_fp8_pool_kernel" in n], names
+    else:
+        ours = call()
+    assert given == [2 * ctx]
+    rows_close(ours, fp8_attention(r, step, layer, q, k), r.heads, ROW_TOL[device])
+    assert (sglang_hook._STATE.ours, sglang_hook._STATE.fallbacks) == (1, 0)
+
+
 def test_hook_validate_compares_sglang_fp8_path(sgl, caplog, monkeypatch):
     """validate on an fp8 pool with k_scale != 1: the call returns SGLang's own fp8 result, and
     the error it records for the layer is max |ours - SGLang's fp8 Triton result| (ours: the
