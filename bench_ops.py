@@ -1302,11 +1302,12 @@ class _env:
                 os.environ[k] = v
 
 
-def _ab_case(shape: str, layout: str, pool: str, tree: bool, cpu: torch.Generator, gpu: torch.Generator) -> dict:
+def _ab_case(shape: str, layout: str, pool: str, tree: bool, cpu: torch.Generator, gpu: torch.Generator,
+             slot_dtype: torch.dtype = torch.int32) -> dict:
     """One verify_attn input set on the GPU for shape BxHxNODESxCONTEXT (CONTEXT as LO-HI spreads
     the B requests' lengths evenly from LO to HI), prefix slots laid out as testkit.prefix_slots's
-    `layout`, over a bf16 pool or its e4m3 bytes (k_scale AB_K_SCALE); `call()` runs it into
-    `out` and `lse`."""
+    `layout` in `slot_dtype` (SGLang's metadata holds int64), over a bf16 pool or its e4m3 bytes
+    (k_scale AB_K_SCALE); `call()` runs it into `out` and `lse`."""
     B, H, N, ctx_spec = shape.split("x")
     B, H, N = int(B), int(H), int(N)
     lo, _, hi = ctx_spec.partition("-")
@@ -1320,7 +1321,7 @@ def _ab_case(shape: str, layout: str, pool: str, tree: bool, cpu: torch.Generato
     c["tree_k"] = torch.randn(B * N, MLA_QK_DIM, device="cuda", dtype=torch.bfloat16, generator=gpu)
     c["kv_indptr"] = torch.tensor(c["starts"], device="cuda", dtype=torch.int32)
     c["qo_indptr"] = torch.arange(B + 1, device="cuda", dtype=torch.int32) * N
-    c["kv_indices"] = slots.to(device="cuda", dtype=torch.int32)
+    c["kv_indices"] = slots.to(device="cuda", dtype=slot_dtype)
     c["visible"] = torch.cat([testkit.random_tree_mask(N, cpu) if tree else torch.ones(N, N, dtype=torch.bool).tril()
                               for _ in range(B)])
     mask = pack_tree_mask(c["visible"].cuda()) if tree else None
@@ -1349,11 +1350,14 @@ def ab(argv: Sequence[str]) -> int:
                         help="BxHxNODESxCONTEXT, comma-separated; CONTEXT as LO-HI spreads the B requests' lengths evenly from LO to HI")
     parser.add_argument("--layouts", default="pages,scattered", help="prefix slot layouts (testkit.prefix_slots)")
     parser.add_argument("--pool", choices=("bf16", "fp8"), default="bf16")
+    parser.add_argument("--slots", default="int32", help="slot index dtypes, comma-separated: int32, int64 (SGLang's)")
     parser.add_argument("--tree", action="store_true", help="random trees (default: causal chains, no mask)")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", help="write every timing here")
     args = parser.parse_args(argv)
+    if set(args.slots.split(",")) - {"int32", "int64"}:
+        parser.error(f"--slots takes int32 and int64, not {args.slots!r}")
     if not cuda_available():
         print("kdtree_ops: ab needs a CUDA GPU and the built kernels", file=sys.stderr)
         return 2
@@ -1362,55 +1366,57 @@ def ab(argv: Sequence[str]) -> int:
     gpu = torch.Generator(device="cuda").manual_seed(1234)
     cpu = torch.Generator().manual_seed(1234)
     rows_out = []
-    for shape in args.shapes.split(","):
-        for layout in args.layouts.split(","):
-            c = _ab_case(shape, layout, args.pool, args.tree, cpu, gpu)
-            B, H, N, lens, starts, out = c["B"], c["H"], c["N"], c["lens"], c["starts"], c["out"]
-            flops = 2 * N * H * (sum(lens) + B * (N + 1) / 2) * (MLA_QK_DIM + MLA_V_DIM)
-            times, outs = {name: [] for name in variants}, {}
-            for r in range(args.rounds):
-                for name, settings in variants.items():
-                    with _env(settings, knobs):
-                        out.fill_(math.nan)
-                        side = torch.cuda.Stream()
-                        side.wait_stream(torch.cuda.current_stream())
-                        with torch.cuda.stream(side):  # warm-up: the build, the kernel's attributes
-                            c["call"]()
-                        torch.cuda.current_stream().wait_stream(side)
-                        graph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graph):
-                            c["call"]()
-                    ms = []
-                    for _ in range(args.reps):
-                        flush.fill_(1)
-                        ms.append(one_replay_ms(graph))
-                    times[name].append(statistics.median(ms))
-                    if r == 0:
-                        outs[name] = out.clone()
-            first = next(iter(variants))
-            err = None  # not checked: the reference would not fit
-            if c["ctx"] * N * H <= 2**28:  # a float32 reference of up to two requests
-                keys = c["kv"].float() if args.pool == "bf16" else c["kv_pool"].view(torch.float8_e4m3fn).float() * AB_K_SCALE
-                q, tree_k, kv_indices = c["q"], c["tree_k"], c["kv_indices"]
-                errs = []
-                for b in range(min(B, 2)):
-                    K = torch.cat([keys[kv_indices[starts[b]:starts[b + 1]].long()], tree_k[b * N:(b + 1) * N].float()])
-                    sees = torch.cat([torch.ones(N, lens[b], dtype=torch.bool), c["visible"][b * N:(b + 1) * N]], 1).cuda()
-                    sc = torch.einsum("nhd,ld->nhl", q[b * N:(b + 1) * N].float(), K) * AB_SCALE
-                    ref = torch.einsum("nhl,lv->nhv", sc.masked_fill(~sees[:, None], -math.inf).softmax(-1), K[:, :MLA_V_DIM])
-                    errs.append(rel_err(outs[first][b * N:(b + 1) * N], ref))
-                err = max(errs)
-            row = {"shape": [B, H, N, c["ctx_spec"]], "layout": layout, "pool": args.pool, "tree": args.tree, "rel_err": err,
-                   **{name: statistics.mean(t) for name, t in times.items()},
-                   "rounds": times, "same_bits": {name: bool(torch.equal(o, outs[first])) for name, o in outs.items()}}
-            rows_out.append(row)
-            cells = " | ".join(f"{name} {row[name]:.4f} ms ({row[first] / row[name]:.3f}x{'' if row['same_bits'][name] else ', other bits'})"
-                               for name in variants)
-            checked = "rel err unchecked" if err is None else f"rel err {err:.1e}"
-            print(f"{B}x{H}x{N} @{c['ctx_spec']} {args.pool} {layout}: {checked} | {cells} | {flops / row[first] / 1e9:.0f} TFLOP/s",
-                  flush=True)
-            del c, out, outs
-            torch.cuda.empty_cache()
+    cases = [(shape, layout, slots) for shape in args.shapes.split(",") for layout in args.layouts.split(",")
+             for slots in args.slots.split(",")]
+    for shape, layout, slots in cases:
+        c = _ab_case(shape, layout, args.pool, args.tree, cpu, gpu, getattr(torch, slots))
+        B, H, N, lens, starts, out = c["B"], c["H"], c["N"], c["lens"], c["starts"], c["out"]
+        flops = 2 * N * H * (sum(lens) + B * (N + 1) / 2) * (MLA_QK_DIM + MLA_V_DIM)
+        times, outs = {name: [] for name in variants}, {}
+        for r in range(args.rounds):
+            for name, settings in variants.items():
+                with _env(settings, knobs):
+                    out.fill_(math.nan)
+                    side = torch.cuda.Stream()
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):  # warm-up: the build, the kernel's attributes
+                        c["call"]()
+                    torch.cuda.current_stream().wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        c["call"]()
+                ms = []
+                for _ in range(args.reps):
+                    flush.fill_(1)
+                    ms.append(one_replay_ms(graph))
+                times[name].append(statistics.median(ms))
+                if r == 0:
+                    outs[name] = out.clone()
+        first = next(iter(variants))
+        err = None  # not checked: the reference would not fit
+        if c["ctx"] * N * H <= 2**28:  # a float32 reference of up to two requests
+            keys = c["kv"].float() if args.pool == "bf16" else c["kv_pool"].view(torch.float8_e4m3fn).float() * AB_K_SCALE
+            q, tree_k, kv_indices = c["q"], c["tree_k"], c["kv_indices"]
+            errs = []
+            for b in range(min(B, 2)):
+                K = torch.cat([keys[kv_indices[starts[b]:starts[b + 1]].long()], tree_k[b * N:(b + 1) * N].float()])
+                sees = torch.cat([torch.ones(N, lens[b], dtype=torch.bool), c["visible"][b * N:(b + 1) * N]], 1).cuda()
+                sc = torch.einsum("nhd,ld->nhl", q[b * N:(b + 1) * N].float(), K) * AB_SCALE
+                ref = torch.einsum("nhl,lv->nhv", sc.masked_fill(~sees[:, None], -math.inf).softmax(-1), K[:, :MLA_V_DIM])
+                errs.append(rel_err(outs[first][b * N:(b + 1) * N], ref))
+            err = max(errs)
+        row = {"shape": [B, H, N, c["ctx_spec"]], "layout": layout, "slots": slots, "pool": args.pool, "tree": args.tree,
+               "rel_err": err,
+               **{name: statistics.mean(t) for name, t in times.items()},
+               "rounds": times, "same_bits": {name: bool(torch.equal(o, outs[first])) for name, o in outs.items()}}
+        rows_out.append(row)
+        cells = " | ".join(f"{name} {row[name]:.4f} ms ({row[first] / row[name]:.3f}x{'' if row['same_bits'][name] else ', other bits'})"
+                           for name in variants)
+        checked = "rel err unchecked" if err is None else f"rel err {err:.1e}"
+        print(f"{B}x{H}x{N} @{c['ctx_spec']} {args.pool} {layout} {slots}: {checked} | {cells} | {flops / row[first] / 1e9:.0f} TFLOP/s",
+              flush=True)
+        del c, out, outs
+        torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows_out, f, indent=1)
