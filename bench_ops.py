@@ -1303,11 +1303,13 @@ class _env:
 
 
 def _ab_case(shape: str, layout: str, pool: str, tree: bool, cpu: torch.Generator, gpu: torch.Generator,
-             slot_dtype: torch.dtype = torch.int32) -> dict:
+             slot_dtype: torch.dtype = torch.int32, hint: bool = True) -> dict:
     """One verify_attn input set on the GPU for shape BxHxNODESxCONTEXT (CONTEXT as LO-HI spreads
     the B requests' lengths evenly from LO to HI), prefix slots laid out as testkit.prefix_slots's
     `layout` in `slot_dtype` (SGLang's metadata holds int64), over a bf16 pool or its e4m3 bytes
-    (k_scale AB_K_SCALE); `call()` runs it into `out` and `lse`."""
+    (k_scale AB_K_SCALE); `call()` runs it into `out` and `lse`, with the longest prefix as
+    `max_kv_len` unless `hint` is False (as in the hook's captured steps, which must serve any
+    later lengths)."""
     B, H, N, ctx_spec = shape.split("x")
     B, H, N = int(B), int(H), int(N)
     lo, _, hi = ctx_spec.partition("-")
@@ -1331,9 +1333,9 @@ def _ab_case(shape: str, layout: str, pool: str, tree: bool, cpu: torch.Generato
 
     def call():
         verify_attn(c["q"], c["kv_pool"], c["kv_indptr"], c["kv_indices"], c["qo_indptr"], c["tree_k"], mask, AB_SCALE,
-                    out=c["out"], lse=c["lse"], max_kv_len=c["ctx"], **kw)
+                    out=c["out"], lse=c["lse"], max_kv_len=c["ctx"] if hint else None, **kw)
 
-    c["call"] = call
+    c["call"], c["hint"] = call, hint
     return c
 
 
@@ -1351,6 +1353,8 @@ def ab(argv: Sequence[str]) -> int:
     parser.add_argument("--layouts", default="pages,scattered", help="prefix slot layouts (testkit.prefix_slots)")
     parser.add_argument("--pool", choices=("bf16", "fp8"), default="bf16")
     parser.add_argument("--slots", default="int32", help="slot index dtypes, comma-separated: int32, int64 (SGLang's)")
+    parser.add_argument("--no-hint", action="store_true",
+                        help="no max_kv_len, as the SGLang hook's captured steps call verify_attn")
     parser.add_argument("--tree", action="store_true", help="random trees (default: causal chains, no mask)")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=2)
@@ -1369,7 +1373,7 @@ def ab(argv: Sequence[str]) -> int:
     cases = [(shape, layout, slots) for shape in args.shapes.split(",") for layout in args.layouts.split(",")
              for slots in args.slots.split(",")]
     for shape, layout, slots in cases:
-        c = _ab_case(shape, layout, args.pool, args.tree, cpu, gpu, getattr(torch, slots))
+        c = _ab_case(shape, layout, args.pool, args.tree, cpu, gpu, getattr(torch, slots), not args.no_hint)
         B, H, N, lens, starts, out = c["B"], c["H"], c["N"], c["lens"], c["starts"], c["out"]
         flops = 2 * N * H * (sum(lens) + B * (N + 1) / 2) * (MLA_QK_DIM + MLA_V_DIM)
         times, outs = {name: [] for name in variants}, {}
@@ -1405,15 +1409,15 @@ def ab(argv: Sequence[str]) -> int:
                 ref = torch.einsum("nhl,lv->nhv", sc.masked_fill(~sees[:, None], -math.inf).softmax(-1), K[:, :MLA_V_DIM])
                 errs.append(rel_err(outs[first][b * N:(b + 1) * N], ref))
             err = max(errs)
-        row = {"shape": [B, H, N, c["ctx_spec"]], "layout": layout, "slots": slots, "pool": args.pool, "tree": args.tree,
-               "rel_err": err,
+        row = {"shape": [B, H, N, c["ctx_spec"]], "layout": layout, "slots": slots, "hint": not args.no_hint,
+               "pool": args.pool, "tree": args.tree, "rel_err": err,
                **{name: statistics.mean(t) for name, t in times.items()},
                "rounds": times, "same_bits": {name: bool(torch.equal(o, outs[first])) for name, o in outs.items()}}
         rows_out.append(row)
         cells = " | ".join(f"{name} {row[name]:.4f} ms ({row[first] / row[name]:.3f}x{'' if row['same_bits'][name] else ', other bits'})"
                            for name in variants)
         checked = "rel err unchecked" if err is None else f"rel err {err:.1e}"
-        print(f"{B}x{H}x{N} @{c['ctx_spec']} {args.pool} {layout} {slots}: {checked} | {cells} | {flops / row[first] / 1e9:.0f} TFLOP/s",
+        print(f"{B}x{H}x{N} @{c['ctx_spec']} {args.pool} {layout} {slots}{'' if c['hint'] else ' no hint'}: {checked} | {cells} | {flops / row[first] / 1e9:.0f} TFLOP/s",
               flush=True)
         del c, out, outs
         torch.cuda.empty_cache()
