@@ -1335,7 +1335,7 @@ def _ab_case(shape: str, layout: str, pool: str, tree: bool, cpu: torch.Generato
         verify_attn(c["q"], c["kv_pool"], c["kv_indptr"], c["kv_indices"], c["qo_indptr"], c["tree_k"], mask, AB_SCALE,
                     out=c["out"], lse=c["lse"], max_kv_len=c["ctx"] if hint else None, **kw)
 
-    c["call"], c["hint"] = call, hint
+    c["call"] = call
     return c
 
 
@@ -1417,7 +1417,7 @@ def ab(argv: Sequence[str]) -> int:
         cells = " | ".join(f"{name} {row[name]:.4f} ms ({row[first] / row[name]:.3f}x{'' if row['same_bits'][name] else ', other bits'})"
                            for name in variants)
         checked = "rel err unchecked" if err is None else f"rel err {err:.1e}"
-        print(f"{B}x{H}x{N} @{c['ctx_spec']} {args.pool} {layout} {slots}{'' if c['hint'] else ' no hint'}: {checked} | {cells} | {flops / row[first] / 1e9:.0f} TFLOP/s",
+        print(f"{B}x{H}x{N} @{c['ctx_spec']} {args.pool} {layout} {slots}{' no hint' if args.no_hint else ''}: {checked} | {cells} | {flops / row[first] / 1e9:.0f} TFLOP/s",
               flush=True)
         del c, out, outs
         torch.cuda.empty_cache()
