@@ -1019,7 +1019,7 @@ def verify_attn(
         Absorbed queries (512 nope + 64 rope) of all requests' tree nodes.
     kv_cache : Tensor [S, 576] or [S, 1, 576], q's dtype, float8_e4m3fn or uint8
         The layer's latent KV pool; uint8 rows are e4m3 bytes (how SGLang stores fp8 pools).
-        CUDA needs 16-byte aligned rows.
+        CUDA needs 16-byte aligned rows, fewer than 2^31 of them.
     kv_indptr : Tensor [B + 1], int32 or int64
         Prefix boundaries into kv_indices per request.
     kv_indices : Tensor [>= kv_indptr[-1]], int32 or int64

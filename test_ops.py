@@ -3560,14 +3560,18 @@ def poisoned_requests(out, lse, qo_indptr, bad):
 
 @needs_gpu
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("slot", ["past_pool", "negative", "huge"])
+@pytest.mark.parametrize("slot", ["past_pool", "negative", "huge", "beyond_int32"])
 @pytest.mark.parametrize("hint", [None, 64], ids=["splits", "one_split"])
 def test_verify_guard_slot_out_of_range(verify_kernel, index_dtype, slot, hint):
     """A prefix slot outside kv_cache: its request's rows come out NaN, the others exact, the
-    guard raised (and cleared by reading it)."""
+    guard raised (and cleared by reading it). beyond_int32: an int64 slot whose low 32 bits
+    name a good row (the Hopper kernel reads int64 slots as int32)."""
+    if slot == "beyond_int32" and index_dtype == torch.int32:
+        pytest.skip("an int32 slot cannot lie beyond int32")
     case = make_verify_case([1500, 700, 2100], [9, 5, 13], 16, index_dtype=index_dtype)
     S = case["kv_cache"].shape[0]
-    bad = {"past_pool": S, "negative": -1, "huge": 2**31 - 5 if index_dtype == torch.int32 else 2**40}[slot]
+    bad = {"past_pool": S, "negative": -1, "huge": 2**31 - 5 if index_dtype == torch.int32 else 2**40,
+           "beyond_int32": 2**32 + int(case["kv_indices"][0])}[slot]
     good = case["kv_indices"].clone()
     case["kv_indices"][1500 + 333] = bad
     kdtree_ops.guard_errors()
@@ -3581,6 +3585,17 @@ def test_verify_guard_slot_out_of_range(verify_kernel, index_dtype, slot, hint):
     keep = torch.ones(out.shape[0], dtype=torch.bool)
     keep[9:14] = False
     assert rel_err(out[keep], ref_out[keep]) < 1e-2
+
+
+@needs_gpu
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_verify_refuses_a_pool_of_2_31_rows(index_dtype):
+    """The Hopper kernel holds a slot as an int32, so a kv_cache of 2^31 rows is refused with
+    a message (a stride-0 view makes one without the 2.4 TB)."""
+    case = make_verify_case([40, 7], [3, 2], 2, index_dtype=index_dtype)
+    case["kv_cache"] = case["kv_cache"][:1].expand(2**31, 576)
+    with pytest.raises(RuntimeError, match=re.escape("kv_cache must have fewer than 2^31 rows, got 2147483648")):
+        kdtree_ops.verify_attn(*verify_args(case))
 
 
 @needs_gpu

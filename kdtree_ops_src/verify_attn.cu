@@ -972,9 +972,11 @@ void verify_attn_out(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   check_dim(kv_indices, "kv_indices", 1);
   check_index(kv_indices, "kv_indices");
   KD_CHECK(kv_indices.is_contiguous(), "kv_indices must be contiguous");
-  // The kernels hold indptr entries (positions in kv_indices, rows of q) as int.
+  // The kernels hold indptr entries (positions in kv_indices, rows of q) as int, and the Hopper
+  // kernel's producer a slot (no device holds 2^31 rows of 576 bytes).
   KD_CHECK(kv_indices.size(0) < (int64_t{1} << 31), "kv_indices must have fewer than 2^31 entries, got ",
            kv_indices.size(0));
+  KD_CHECK(kv_cache.size(0) < (int64_t{1} << 31), "kv_cache must have fewer than 2^31 rows, got ", kv_cache.size(0));
   if (tree_mask) {
     const at::Tensor& m = *tree_mask;
     check_cuda(m, "tree_mask", q);

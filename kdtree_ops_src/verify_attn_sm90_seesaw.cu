@@ -184,18 +184,22 @@ __device__ __forceinline__ void sts128(uint32_t addr, uint4 v) {
 
 // A request's prefix slots, key by key: a pointer into kv_indices, or over a widened pool a
 // PositionSlots, which stands for the kv_indices positions themselves (launch_widen_fp8_pool
-// put position i's row at workspace row i) and reads no index. load_slot reads either.
+// put position i's row at workspace row i) and reads no index. load_slot reads any of them as
+// an int32: the producer holds eight slots and the lead prefetch's edge slots in registers,
+// which as 64-bit values spilled and kept the prefetch off over SGLang's int64 kv_indices. An
+// int64 slot outside int32 becomes -1, which checked_slot finds bad as it would the slot itself
+// (kv_cache has fewer than 2^31 rows: verify_attn_out refuses more).
 struct PositionSlots {
   int32_t position;
   __device__ __forceinline__ PositionSlots operator+(int keys) const { return {position + keys}; }
   __device__ __forceinline__ PositionSlots operator-(int keys) const { return {position - keys}; }
 };
-template <typename Idx>
-__device__ __forceinline__ Idx load_slot(const Idx* at) {
-  return __ldg(at);
+__device__ __forceinline__ int32_t load_slot(const int32_t* at) { return __ldg(at); }
+__device__ __forceinline__ int32_t load_slot(const int64_t* at) {
+  const int64_t slot = __ldg(at);
+  return static_cast<uint64_t>(slot) <= static_cast<uint64_t>(INT32_MAX) ? static_cast<int32_t>(slot) : -1;
 }
 __device__ __forceinline__ int32_t load_slot(PositionSlots at) { return at.position; }
-template <typename Slots> using SlotIndexOf = decltype(load_slot(std::declval<Slots>()));
 
 // The producer over an fp8 pool (Fp8Math). Thread lt owns a row r of each tile and dims
 // [16 hh, +16) and [32 + 16 hh, +16) (hh = 0 or 1) of each 64-dim column block: four 16-byte
@@ -222,7 +226,6 @@ __device__ __forceinline__ void produce_fp8(const VerifyParams<T>& p, const CUte
                                             uint8_t* k_smem, SlotOf slot_of, Slots slots, int q_begin,
                                             int prefix, int key_begin, int key_end, int n_pairs, uint32_t pair_base,
                                             int lt, uint32_t bar_q, bool& bad, bool& beyond) {
-  using Idx = SlotIndexOf<Slots>;
   // Lanes 0-7 of a warp: rows 8 w' .. 8 w' + 7 with hh = 0, lanes 8-15 the same rows with hh = 1
   // (w' = 2 warp + lane / 16): each 16-byte access phase of 8 lanes meets 8 distinct swizzled
   // chunks, and one copy instruction reads whole sectors.
@@ -236,7 +239,7 @@ __device__ __forceinline__ void produce_fp8(const VerifyParams<T>& p, const CUte
   // Half h of a pair: tile h % 2; dims 0-255 for h = 0, 3, dims 256-575 for h = 1, 2.
   auto tile_of = [](int h) { return h & 1; };
   auto half_of = [](int h) { return (h ^ (h >> 1)) & 1; };
-  Idx slot0 = slot_of(key_of(0, 0)), slot1 = slot_of(key_of(0, 1));  // scalars: no runtime-indexed array
+  int32_t slot0 = slot_of(key_of(0, 0)), slot1 = slot_of(key_of(0, 1));  // scalars: no runtime-indexed array
   // Boxed: whether each tile of the pair has its 64 slots running consecutively inside the
   // pool; found as a tile's first half is issued and kept for its second half and both
   // widenings (a tile's next first half is issued only after both are ready). Thread 0, which
@@ -248,8 +251,8 @@ __device__ __forceinline__ void produce_fp8(const VerifyParams<T>& p, const CUte
     if (key0 + kTileKeys > unmasked_end) return false;  // CTA-uniform
     // In L1: the rows' own slots were loaded from these lines half a pair ago.
     const int lane = lt & 31;
-    const Idx lo = load_slot(slots + key0 + lane), hi = load_slot(slots + key0 + 32 + lane);
-    const Idx first = __shfl_sync(0xffffffffu, lo, 0);
+    const int32_t lo = load_slot(slots + key0 + lane), hi = load_slot(slots + key0 + 32 + lane);
+    const int32_t first = __shfl_sync(0xffffffffu, lo, 0);
     const bool ok = first >= 0 && static_cast<uint64_t>(first) + kTileKeys <= static_cast<uint64_t>(p.kv_rows) &&
                     lo == first + lane && hi == first + 32 + lane;
     return __all_sync(0xffffffffu, ok) != 0;
@@ -380,8 +383,7 @@ __device__ __forceinline__ void box_prefetch(const CUtensorMap* map, int dim, in
 
 // Whether a tile of prefix slots first .. last looks like 64 consecutive pool rows (only its
 // ends read: a hint, which the boxed producer checks in full before it issues boxes).
-template <typename Idx>
-__device__ __forceinline__ bool looks_consecutive(Idx first, Idx last) {
+__device__ __forceinline__ bool looks_consecutive(int32_t first, int32_t last) {
   return first >= 0 && static_cast<uint64_t>(last) - static_cast<uint64_t>(first) == kTileKeys - 1;
 }
 // Whether this CTA's first tile looks consecutive: the CTA then takes the boxed producer.
@@ -404,7 +406,6 @@ __device__ __forceinline__ void produce_rows(const VerifyParams<T>& p, const CUt
                                              SlotOf slot_of, Slots slots, int q_begin, int prefix,
                                              int key_begin, int key_end, int n_pairs, uint32_t pair_base, int lt,
                                              uint32_t bar_q, bool& bad, bool lead) {
-  using Idx = SlotIndexOf<Slots>;
   const int grp = lt >> 3, ck = lt & 7;
   const uint32_t dst = grp * 128 + ((ck ^ (grp & 7)) << 4);  // (grp + 16 j) & 7 == grp & 7
   auto bar_ready = [&](int buf, int half) { return k_ready_bar(bar_q, buf, half); };
@@ -415,7 +416,7 @@ __device__ __forceinline__ void produce_rows(const VerifyParams<T>& p, const CUt
   // it, half a pair later, so no instruction waits on the load before then.
   auto key_of = [&](int pair, int i) { return key_begin + pair * kPairKeys + (i >> 2) * kTileKeys + grp + 16 * (i & 3); };
   // Row `key`'s first byte (row 0 of the pool past this CTA's keys, read as zeros).
-  auto row_of = [&](int key, Idx slot) -> const T* {
+  auto row_of = [&](int key, int32_t slot) -> const T* {
     if (key >= key_end) return p.kv;
     if (key < prefix) return p.kv + static_cast<int64_t>(checked_slot(p, slot, bad)) * p.kv_stride;
     return p.tree_k + static_cast<int64_t>(q_begin + key - prefix) * p.tk_stride;
@@ -423,7 +424,7 @@ __device__ __forceinline__ void produce_rows(const VerifyParams<T>& p, const CUt
   // This thread's 8 row slots of a pair; each tile's 4 are loaded as soon as that tile's rows
   // of the previous pair are copied, half a pair before their own copies: no copy waits for
   // an index load.
-  Idx slot[8];
+  int32_t slot[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) slot[i] = slot_of(key_of(0, i));
   // The test's two loads go out behind the slots' loads: one memory latency before the first copy.
@@ -435,7 +436,7 @@ __device__ __forceinline__ void produce_rows(const VerifyParams<T>& p, const CUt
   auto find_run = [&](int pr, int tl) {
     const int key0 = key_begin + pr * kPairKeys + tl * kTileKeys;
     if (key0 + kTileKeys > unmasked_end) return -1;  // CTA-uniform
-    const Idx first = load_slot(slots + key0);  // cached: warp 0 just loaded it as its slot
+    const int32_t first = load_slot(slots + key0);  // cached: warp 0 just loaded it as its slot
     bool mine = first >= 0 && static_cast<uint64_t>(first) + kTileKeys <= static_cast<uint64_t>(p.kv_rows);
 #pragma unroll
     for (int j = 0; j < 4; ++j) mine &= slot[4 * tl + j] == first + grp + 16 * j;
@@ -443,9 +444,8 @@ __device__ __forceinline__ void produce_rows(const VerifyParams<T>& p, const CUt
   };
 
   // Lead: this CTA asks L2 for the boxes of the pair after the one it copies (lane 0 of warp
-  // 1, so thread 0's boxes never wait behind it), their edge slots loaded a pair earlier. Only
-  // over int32 indices: over int64 the producer's 56 registers spill with it.
-  const bool pf_lane = sizeof(Idx) == 4 && lead && lt == 32;
+  // 1, so thread 0's boxes never wait behind it), their edge slots loaded a pair earlier.
+  const bool pf_lane = lead && lt == 32;
   int pf_first[2] = {-1, -1}, pf_last[2] = {0, 0};
   auto pf_load = [&](int pr) {
 #pragma unroll
@@ -611,7 +611,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       bool bad = false;     // met a prefix slot outside kv_cache (checked_slot)
       bool beyond = false;  // fp8: a tree row beyond f16 in the pool's units (kGuardFp8Range)
       auto slot_of = [&](int key) {
-        return key < prefix && key < key_end ? load_slot(slots + key) : Idx(0);
+        return key < prefix && key < key_end ? load_slot(slots + key) : 0;
       };
       if constexpr (Lands8) {
         auto produce = [&](auto boxed) {
