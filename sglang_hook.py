@@ -3,7 +3,7 @@
 SGLang (0.5.23) sends every TARGET_VERIFY forward of an MLA model through
 ``TritonAttnBackend.forward_extend``, whose Triton kernel re-streams the whole prefix once per
 head. :func:`install` wraps that method: the target model's MLA verify calls it can serve
-(576/512 with one KV head, page size 1; a bf16/fp16 pool in q's dtype with no KV scale or a
+(576/512 with one KV head, any page size; a bf16/fp16 pool in q's dtype with no KV scale or a
 scale of 1.0, or SGLang's fp8 e4m3 pool with equal k and v scales; causal attention without
 sliding window, logit cap, sinks or score_mod; a tree custom mask or none; int32 or int64
 index tensors, eager or from the CUDA-graph buffers) save KV exactly as SGLang does and then
@@ -419,8 +419,8 @@ def _unsupported(backend, q, k, v, layer, fb, extra: dict) -> Optional[str]:
         return f"unexpected q/k shapes {tuple(q.shape)}/{tuple(k.shape)}"
     if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype:
         return f"q/k dtypes {q.dtype}/{k.dtype} (kdtree_ops runs bfloat16 and float16)"
-    if getattr(backend, "page_size", 1) != 1:
-        return f"page size {backend.page_size} (kdtree_ops needs 1)"
+    # Any --page-size: the MLA pool keeps a row per token slot and kv_indices are token slots
+    # (the Triton kernel's page arithmetic lands on the same rows); pages make runs of slots.
     kv = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
     if kv.dtype == torch.float8_e5m2:
         return "fp8 e5m2 KV cache (kdtree_ops reads e4m3 fp8 pools)"

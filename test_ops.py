@@ -2555,6 +2555,38 @@ def test_hook_serves_sglang_metadata(sgl, device, kind, path):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("path", ["eager", "graph_buffers"])
+@pytest.mark.parametrize("kind", ["eagle_tree", "dflash"])
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_hook_serves_paged_pools(sgl, device, kind, path, page_size):
+    """--page-size above 1: SGLang's MLA pool keeps one row per token slot and its Triton
+    backend hands TARGET_VERIFY the tokens' slots (its kernel's page arithmetic lands on the
+    same rows), so kdtree_ops serves every layer call, with SGLang's result and KV write."""
+    srv = hook_server(sgl, device, kind, page_size=page_size)
+    r = srv.runner
+    assert r.backend.page_size == page_size and r.kv_pool.kv_buffer[0].shape[:2] == (1024 + page_size, 1)
+    g = torch.Generator().manual_seed(13)
+    r.fill(g)
+    sglang_hook.install("on")
+    st = sglang_hook._STATE
+    layers = [r.layer(i) for i in range(r.layers)]
+    if path == "graph_buffers":
+        r.backend.init_cuda_graph_state(max_bs=3, max_num_tokens=3 * srv.N)
+    batches = [[5, 70, 0], [17, 2, 61]]  # prefixes and nodes across page ends
+    for i, prefix_lens in enumerate(batches):
+        step = sgl.verify_step(r, prefix_lens, hook_spec(srv, prefix_lens, g), generator=g)
+        if path == "eager":
+            r.backend.init_forward_metadata(step.fb)
+        else:
+            r.backend.init_forward_metadata_out_graph(step.fb, in_capture=i == 0)
+        md = r.backend.forward_metadata
+        assert torch.equal(md.kv_indices[: sum(prefix_lens)].cpu(), step.prefix_slots.cpu())  # slots, not pages
+        check_served_layers(srv, step, layers, ROW_TOL[device])
+    assert (st.ours, st.fallbacks) == (len(batches) * len(layers), 0)
+    assert st.warned == set()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_hook_serves_fp8_checkpoint_layers(sgl, device):
     """An FP8 checkpoint's attention layers carry k_scale = v_scale = 1.0 (SGLang's Fp8Config
     KV-cache method) over a bf16/fp16 pool: served, identical to SGLang's path."""
@@ -2614,13 +2646,15 @@ def fp8_saved(layer, k):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", list(HOOK_KINDS))
-def test_hook_serves_fp8_pool(sgl, device, kind):
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_hook_serves_fp8_pool(sgl, device, kind, page_size):
     """SGLang's fp8 MLA pool (MLATokenToKVPool with dtype float8_e4m3fn, uint8 storage),
     layers without scales, with a checkpoint's 1.0 and with k_scale = v_scale != 1: kdtree_ops
     serves every layer call (no fallback), saves exactly the bytes SGLang's own path saves
     (k / k_scale rounded to e4m3), and its output is the attention over the dequantized prefix
     rows (e4m3 * k_scale) and the step's own unscaled k."""
-    srv = hook_server(sgl, device, kind, layers=len(FP8_LAYER_SCALES), kv_dtype=torch.float8_e4m3fn)
+    srv = hook_server(sgl, device, kind, layers=len(FP8_LAYER_SCALES), kv_dtype=torch.float8_e4m3fn,
+                      page_size=page_size)
     r = srv.runner
     assert r.kv_pool.kv_buffer[0].dtype == torch.uint8
     g = torch.Generator().manual_seed(21)
@@ -2842,7 +2876,6 @@ def _kv_scales(k_scale, v_scale):
 
 
 FALLBACKS = {  # reason words the warning must contain -> how to make the call need SGLang's path
-    "page size": lambda sgl, b, layer, kw: setattr(b.backend, "page_size", 16),
     "k_scale=0.5": _kv_scales(0.5, 0.5),
     "fp8 e5m2 KV cache": lambda sgl, b, layer, kw: None,
     "k_scale 0.5 != v_scale 0.25 on an fp8 KV cache": _kv_scales(0.5, 0.25),
@@ -3071,17 +3104,19 @@ print("clean")
 @needs_gpu
 @pytest.mark.parametrize("pool", ["bf16", "fp8"])
 @pytest.mark.parametrize("kind", list(HOOK_KINDS))
-def test_hook_cuda_graph_capture_and_replay(sgl, kind, pool):
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_hook_cuda_graph_capture_and_replay(sgl, kind, pool, page_size):
     """SGLang's CUDA-graph verify path on the GPU: metadata from init_forward_metadata_out_graph
     (capture, then a replay with a changed batch), the layers captured in a CUDA graph through
     the hooked forward_extend, replayed: kdtree_ops served every captured call and the replayed
     output equals SGLang's own path on the new batch. On SGLang's fp8 pool (layers without
     scales, with 1.0 and with 0.37, each baked into the graph as SGLang bakes it) the replay
     saves SGLang's bytes and its output is the attention over the dequantized rows: SGLang's
-    own fp8 Triton kernel rounds q and the softmax weights to e4m3, so it is no reference."""
+    own fp8 Triton kernel rounds q and the softmax weights to e4m3, so it is no reference.
+    Page size 64: the prefixes' pages load as the Hopper kernel's tensor-map boxes."""
     fp8 = pool == "fp8"
     srv = hook_server(sgl, "cuda", kind, N=9, layers=3, heads=16, pool_size=1 << 16, max_context=8192,
-                      kv_dtype=torch.float8_e4m3fn if fp8 else None)
+                      kv_dtype=torch.float8_e4m3fn if fp8 else None, page_size=page_size)
     r = srv.runner
     g = torch.Generator().manual_seed(12)
     r.fill(g)

@@ -493,6 +493,7 @@ def _sglang():
     from sglang.srt.layers.attention import triton_backend
     from sglang.srt.layers.quantization.fp8 import Fp8Config
     from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
     from sglang.srt.mem_cache.kv_loc_plan import KVLocPlan
@@ -507,6 +508,7 @@ def _sglang():
     return types.SimpleNamespace(
         transformers=transformers, spec_tree=spec_tree, AttentionArch=AttentionArch, triton_backend=triton_backend,
         Fp8Config=Fp8Config, RadixAttention=RadixAttention, TokenToKVPoolAllocator=TokenToKVPoolAllocator,
+        PagedTokenToKVPoolAllocator=PagedTokenToKVPoolAllocator,
         KVIndexTranslator=KVIndexTranslator, KVLocPlan=KVLocPlan, MHATokenToKVPool=MHATokenToKVPool,
         MLATokenToKVPool=MLATokenToKVPool, ReqToTokenPool=ReqToTokenPool, CaptureHiddenMode=CaptureHiddenMode,
         ForwardBatch=ForwardBatch, ForwardMode=ForwardMode, SpawnRanks=SpawnRanks, publish=publish,
@@ -533,14 +535,17 @@ class Runner:
     """One model runner's attention state: its KV pool and its TritonAttnBackend.
 
     A target runner owns the request table and the allocator; a draft runner (``draft_of``)
-    shares both, as SGLang's speculative workers do, with a KV pool of its own.
+    shares both, as SGLang's speculative workers do, with a KV pool of its own. ``page_size``
+    > 1 is ``--page-size``: SGLang's paged allocator, which hands a request whole pages.
     """
 
     def __init__(self, *, device: str, dtype: torch.dtype, heads: int, layers: int, num_tokens_per_req: int,
                  pool_size: int = 4096, max_context: int = 1024, max_reqs: int = 8, mla: bool = True,
-                 head_dim: int = 128, draft_of: Optional["Runner"] = None, kv_dtype: Optional[torch.dtype] = None):
+                 head_dim: int = 128, draft_of: Optional["Runner"] = None, kv_dtype: Optional[torch.dtype] = None,
+                 page_size: int = 1):
         sg = _sglang()
         self.device, self.dtype, self.heads, self.layers, self.mla = device, dtype, heads, layers, mla
+        self.page_size = page_size
         kv_dtype = kv_dtype or dtype  # an fp8 dtype: SGLang's fp8 pool (uint8 storage), q stays `dtype`
         self.kv_dtype = kv_dtype
         if draft_of is None:
@@ -550,21 +555,27 @@ class Runner:
             self.req_to_token_pool = draft_of.req_to_token_pool
             pool_size = draft_of.allocator.size
         if mla:
-            self.kv_pool = sg.MLATokenToKVPool(size=pool_size, page_size=1, dtype=kv_dtype, kv_lora_rank=MLA_V,
+            self.kv_pool = sg.MLATokenToKVPool(size=pool_size, page_size=page_size, dtype=kv_dtype, kv_lora_rank=MLA_V,
                                             qk_rope_head_dim=MLA_QK - MLA_V, layer_num=layers, device=device,
                                             enable_memory_saver=False)
             self.qk_dim, self.v_dim, kv_heads = MLA_QK, MLA_V, 1
         else:
-            self.kv_pool = sg.MHATokenToKVPool(size=pool_size, page_size=1, dtype=kv_dtype, head_num=heads,
+            self.kv_pool = sg.MHATokenToKVPool(size=pool_size, page_size=page_size, dtype=kv_dtype, head_num=heads,
                                             head_dim=head_dim, layer_num=layers, device=device,
                                             enable_memory_saver=False)
             self.qk_dim, self.v_dim, kv_heads = head_dim, head_dim, heads
         self.kv_heads = kv_heads
-        self.allocator = (sg.TokenToKVPoolAllocator(size=pool_size, dtype=kv_dtype, device=device, kvcache=self.kv_pool,
-                                                 need_sort=False) if draft_of is None else draft_of.allocator)
+        if draft_of is not None:
+            self.allocator = draft_of.allocator
+        elif page_size == 1:
+            self.allocator = sg.TokenToKVPoolAllocator(size=pool_size, dtype=kv_dtype, device=device,
+                                                       kvcache=self.kv_pool, need_sort=False)
+        else:
+            self.allocator = sg.PagedTokenToKVPoolAllocator(size=pool_size, page_size=page_size, dtype=kv_dtype,
+                                                            device=device, kvcache=self.kv_pool, need_sort=False)
         translator = sg.KVIndexTranslator(req_to_token=self.req_to_token_pool.req_to_token,
                                        token_to_kv_pool_allocator=self.allocator, token_to_kv_pool=self.kv_pool,
-                                       page_size=1, device=device, is_draft_worker=draft_of is not None)
+                                       page_size=page_size, device=device, is_draft_worker=draft_of is not None)
         model_config = types.SimpleNamespace(
             attention_arch=sg.AttentionArch.MLA if mla else sg.AttentionArch.MHA,
             hf_config=sg.transformers.PretrainedConfig(model_type="llama"), linear_attn_registry_result=None,
@@ -573,7 +584,7 @@ class Runner:
             is_encoder_decoder=False, is_draft_model=draft_of is not None)
         self.model_runner = types.SimpleNamespace(
             req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.kv_pool,
-            token_to_kv_pool_allocator=self.allocator, sliding_window_size=None, page_size=1,
+            token_to_kv_pool_allocator=self.allocator, sliding_window_size=None, page_size=page_size,
             kv_index_translator=translator, decode_num_tokens_per_req=lambda: num_tokens_per_req,
             model_config=model_config, is_draft_worker=draft_of is not None, device=device, gpu_id=0,
             spec_algorithm=None, kv_cache_dtype=kv_dtype)
@@ -664,16 +675,27 @@ def verify_step(target: Runner, prefix_lens: Sequence[int], spec_info, *, genera
                 rows: Optional[torch.Tensor] = None) -> Step:
     """Lay out a TARGET_VERIFY batch as SGLang's scheduler does: each request's prefix in
     allocator slots scattered over the pool, ``num_tokens_per_req`` fresh slots per request
-    for the draft tokens, the request table filled, a KVLocPlan bound, and the ForwardBatch."""
+    for the draft tokens, the request table filled, a KVLocPlan bound, and the ForwardBatch.
+    With pages (``target.page_size`` > 1) a request's tokens fill its pages in order, prefix
+    then draft tokens, and its pages lie scattered over the pool."""
     sg = _sglang()
     dev = target.device
     B, N = len(prefix_lens), spec_info.draft_token_num
     target.allocator.clear()
-    total = sum(prefix_lens) + B * N
+    P = target.page_size
+    pages_of = [-(-(p + N) // P) for p in prefix_lens]
+    total = sum(pages_of) * P
     slots = target.allocator.alloc(total)
     assert slots is not None, f"pool too small for {total} slots"
-    slots = slots[torch.randperm(total, generator=generator).to(slots.device)]
-    prefix_slots, out_loc = slots[: sum(prefix_lens)], slots[sum(prefix_lens):]
+    if P == 1:
+        slots = slots[torch.randperm(total, generator=generator).to(slots.device)]
+        prefix_slots, out_loc = slots[: sum(prefix_lens)], slots[sum(prefix_lens):]
+    else:
+        pages = slots.view(-1, P)[torch.randperm(sum(pages_of), generator=generator).to(slots.device)]
+        firsts = itertools.accumulate([0, *pages_of])
+        tokens = [pages[a:a + n].reshape(-1) for a, n in zip(firsts, pages_of)]
+        prefix_slots = torch.cat([t[:p] for t, p in zip(tokens, prefix_lens)])
+        out_loc = torch.cat([t[p:p + N] for t, p in zip(tokens, prefix_lens)])
     rows = torch.arange(1, B + 1, dtype=torch.int64, device=dev) if rows is None else rows
     table = target.req_to_token_pool.req_to_token
     start = 0
