@@ -2520,16 +2520,20 @@ def check_served_layers(srv, step, layers, tol):
         rows_close(ours, ref, r.heads, tol)
 
 
+@pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("path", ["eager", "graph_buffers"])
 @pytest.mark.parametrize("kind", list(HOOK_KINDS))
-def test_hook_serves_sglang_metadata(sgl, device, kind, path):
+def test_hook_serves_sglang_metadata(sgl, device, kind, path, page_size):
     """TARGET_VERIFY metadata from SGLang's own init_forward_metadata, or from its CUDA-graph
     path (persistent buffers: int64 qo_indptr and mask_indptr, a uint8 mask buffer) for a
     first batch and a changed second one: kdtree_ops serves every layer call (no fallback),
-    with SGLang's result and KV write."""
-    srv = hook_server(sgl, device, kind)
+    with SGLang's result and KV write. With --page-size above 1 SGLang's MLA pool keeps one
+    row per token slot and its Triton backend still passes token slots (its kernel's page
+    arithmetic lands on the same rows), so those calls are served alike."""
+    srv = hook_server(sgl, device, kind, page_size=page_size)
     r = srv.runner
+    assert r.kv_pool.kv_buffer[0].shape[:2] == (1024 + page_size, 1)
     g = torch.Generator().manual_seed(11)
     r.fill(g)
     sglang_hook.install("on")
@@ -2546,41 +2550,10 @@ def test_hook_serves_sglang_metadata(sgl, device, kind, path):
         else:
             r.backend.init_forward_metadata_out_graph(step.fb, in_capture=i == 0)
         md = r.backend.forward_metadata
+        assert torch.equal(md.kv_indices[: sum(prefix_lens)].cpu(), step.prefix_slots.cpu())  # slots, not pages
         if path == "graph_buffers":
             assert md.qo_indptr.dtype == torch.int64 and md.kv_indices.dtype == torch.int64
             assert md.custom_mask is None if kind == "dflash" else md.custom_mask.dtype == torch.uint8
-        check_served_layers(srv, step, layers, ROW_TOL[device])
-    assert (st.ours, st.fallbacks) == (len(batches) * len(layers), 0)
-    assert st.warned == set()
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("path", ["eager", "graph_buffers"])
-@pytest.mark.parametrize("kind", ["eagle_tree", "dflash"])
-@pytest.mark.parametrize("page_size", [16, 64])
-def test_hook_serves_paged_pools(sgl, device, kind, path, page_size):
-    """--page-size above 1: SGLang's MLA pool keeps one row per token slot and its Triton
-    backend hands TARGET_VERIFY the tokens' slots (its kernel's page arithmetic lands on the
-    same rows), so kdtree_ops serves every layer call, with SGLang's result and KV write."""
-    srv = hook_server(sgl, device, kind, page_size=page_size)
-    r = srv.runner
-    assert r.backend.page_size == page_size and r.kv_pool.kv_buffer[0].shape[:2] == (1024 + page_size, 1)
-    g = torch.Generator().manual_seed(13)
-    r.fill(g)
-    sglang_hook.install("on")
-    st = sglang_hook._STATE
-    layers = [r.layer(i) for i in range(r.layers)]
-    if path == "graph_buffers":
-        r.backend.init_cuda_graph_state(max_bs=3, max_num_tokens=3 * srv.N)
-    batches = [[5, 70, 0], [17, 2, 61]]  # prefixes and nodes across page ends
-    for i, prefix_lens in enumerate(batches):
-        step = sgl.verify_step(r, prefix_lens, hook_spec(srv, prefix_lens, g), generator=g)
-        if path == "eager":
-            r.backend.init_forward_metadata(step.fb)
-        else:
-            r.backend.init_forward_metadata_out_graph(step.fb, in_capture=i == 0)
-        md = r.backend.forward_metadata
-        assert torch.equal(md.kv_indices[: sum(prefix_lens)].cpu(), step.prefix_slots.cpu())  # slots, not pages
         check_served_layers(srv, step, layers, ROW_TOL[device])
     assert (st.ours, st.fallbacks) == (len(batches) * len(layers), 0)
     assert st.warned == set()
