@@ -260,7 +260,7 @@ class _State:
         self.fallbacks = 0
         self.warned: set = set()
         self.patched: list = []  # (owner, attribute, original value)
-        self.masks = weakref.WeakKeyDictionary()  # backend -> (metadata, custom_mask, capturing, T, packed)
+        self.step_shared = weakref.WeakKeyDictionary()  # backend -> (metadata, custom_mask, batch, capturing, T, _step_shared)
         self.backends = weakref.WeakSet()  # every TritonAttnBackend that prepared a verify step
         self.local = threading.local()
         self.defrag_off: Optional[str] = None
@@ -473,22 +473,26 @@ def _kernels_reason() -> Optional[str]:
         return f"kdtree_ops CUDA kernels could not be built or loaded ({type(e).__name__}: {e})"
 
 
-def _step_mask(backend, md, T: int):
-    """The step's packed tree mask, converted once and reused by every layer.
+def _step_shared(backend, md, fb, T: int):
+    """What every layer of a verify step shares, worked out by its first layer: the packed tree
+    mask (None for a causal chain), the prefix indices for an fp8 pool (_prefix_indices) and
+    the longest prefix (_prefix_bound).
 
-    Keyed on the metadata object and its mask tensor (a new step builds new ones) and on
-    whether a graph is being captured: SGLang's warm-up runs use the capture's metadata
-    eagerly, and a conversion made there would not be recorded into the graph.
+    Keyed on the metadata object, its mask tensor and the forward batch (a new step builds new
+    ones) and on whether a graph is being captured: SGLang's warm-up runs use the capture's
+    metadata eagerly, and a conversion made there would not be recorded into the graph.
     """
-    if md.custom_mask is None:
-        return None
     capturing = _capturing()
-    hit = _STATE.masks.get(backend)
-    if hit is not None and hit[0] is md and hit[1] is md.custom_mask and hit[2] == capturing and hit[3] == T:
-        return hit[4]
-    packed = packed_tree_mask(md.custom_mask, md.mask_indptr, md.qo_indptr, md.kv_indptr, T, md.max_extend_len)
-    _STATE.masks[backend] = (md, md.custom_mask, capturing, T, packed)
-    return packed
+    hit = _STATE.step_shared.get(backend)
+    if (hit is not None and hit[0] is md and hit[1] is md.custom_mask and hit[2] is fb and hit[3] == capturing
+            and hit[4] == T):
+        return hit[5]
+    packed = None
+    if md.custom_mask is not None:
+        packed = packed_tree_mask(md.custom_mask, md.mask_indptr, md.qo_indptr, md.kv_indptr, T, md.max_extend_len)
+    shared = (packed, _prefix_indices(backend, md), _prefix_bound(fb))
+    _STATE.step_shared[backend] = (md, md.custom_mask, fb, capturing, T, shared)
+    return shared
 
 
 def _prefix_bound(fb) -> Optional[int]:
@@ -533,7 +537,7 @@ def _ours(tb, backend, q, k, v, layer, fb, save_kv_cache: bool, out: Optional[to
             out = q.new_empty((T, H * layer.v_head_dim))
     prof = _STATE.profiler if _STATE.profile else None
     with prof.phase("mask", q.device) if prof else _null():
-        packed = _step_mask(backend, md, T)
+        packed, fp8_indices, prefix_bound = _step_shared(backend, md, fb, T)
     kv = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
     fp8 = kv.dtype == _FP8_E4M3
     # A python float, as SGLang passes its kernel: a per-layer constant a CUDA graph bakes in.
@@ -543,13 +547,13 @@ def _ours(tb, backend, q, k, v, layer, fb, save_kv_cache: bool, out: Optional[to
             q,
             kv,
             md.kv_indptr,
-            _prefix_indices(backend, md) if fp8 else md.kv_indices,
+            fp8_indices if fp8 else md.kv_indices,
             md.qo_indptr,
             k,
             packed,
             layer.scaling,
             out,
-            max_kv_len=_prefix_bound(fb),
+            max_kv_len=prefix_bound,
             k_scale=k_scale,
         )
     return out
@@ -655,7 +659,7 @@ def _guards_tripped() -> bool:
 
 def _on_verify_step(backend, fb, in_capture: bool, replay: bool) -> None:
     st = _STATE
-    st.masks.pop(backend, None)
+    st.step_shared.pop(backend, None)
     if in_capture or _capturing() or not _serves_target_mla(backend):
         return
     _guards_tripped()

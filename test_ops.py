@@ -2559,6 +2559,35 @@ def test_hook_serves_sglang_metadata(sgl, device, kind, path, page_size):
     assert st.warned == set()
 
 
+@pytest.mark.parametrize("kind", ["eagle_tree", "dflash"])
+def test_hook_works_out_a_steps_shared_inputs_once(sgl, monkeypatch, kind):
+    """The mask conversion and the longest prefix, which every layer of a step shares, are
+    worked out by the step's first layer call only (host work on every eager layer call
+    otherwise), and again for the next step."""
+    srv = hook_server(sgl, "cpu", kind, layers=3)
+    r = srv.runner
+    g = torch.Generator().manual_seed(17)
+    r.fill(g)
+    calls = {"mask": 0, "bound": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(sglang_hook, "packed_tree_mask", counted("mask", sglang_hook.packed_tree_mask))
+    monkeypatch.setattr(sglang_hook, "_prefix_bound", counted("bound", sglang_hook._prefix_bound))
+    sglang_hook.install("on")
+    layers = [r.layer(i) for i in range(r.layers)]
+    for prefix_lens in ([9, 40], [33, 2]):
+        step = sgl.verify_step(r, prefix_lens, hook_spec(srv, prefix_lens, g), generator=g)
+        r.backend.init_forward_metadata(step.fb)
+        check_served_layers(srv, step, layers, ROW_TOL["cpu"])
+    assert calls == {"mask": 0 if kind == "dflash" else 2, "bound": 2}
+    assert (sglang_hook._STATE.ours, sglang_hook._STATE.fallbacks) == (2 * len(layers), 0)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_hook_serves_fp8_checkpoint_layers(sgl, device):
     """An FP8 checkpoint's attention layers carry k_scale = v_scale = 1.0 (SGLang's Fp8Config
