@@ -2559,35 +2559,6 @@ def test_hook_serves_sglang_metadata(sgl, device, kind, path, page_size):
     assert st.warned == set()
 
 
-@pytest.mark.parametrize("kind", ["eagle_tree", "dflash"])
-def test_hook_works_out_a_steps_shared_inputs_once(sgl, monkeypatch, kind):
-    """The mask conversion and the longest prefix, which every layer of a step shares, are
-    worked out by the step's first layer call only (host work on every eager layer call
-    otherwise), and again for the next step."""
-    srv = hook_server(sgl, "cpu", kind, layers=3)
-    r = srv.runner
-    g = torch.Generator().manual_seed(17)
-    r.fill(g)
-    calls = {"mask": 0, "bound": 0}
-
-    def counted(name, fn):
-        def wrapper(*args, **kwargs):
-            calls[name] += 1
-            return fn(*args, **kwargs)
-        return wrapper
-
-    monkeypatch.setattr(sglang_hook, "packed_tree_mask", counted("mask", sglang_hook.packed_tree_mask))
-    monkeypatch.setattr(sglang_hook, "_prefix_bound", counted("bound", sglang_hook._prefix_bound))
-    sglang_hook.install("on")
-    layers = [r.layer(i) for i in range(r.layers)]
-    for prefix_lens in ([9, 40], [33, 2]):
-        step = sgl.verify_step(r, prefix_lens, hook_spec(srv, prefix_lens, g), generator=g)
-        r.backend.init_forward_metadata(step.fb)
-        check_served_layers(srv, step, layers, ROW_TOL["cpu"])
-    assert calls == {"mask": 0 if kind == "dflash" else 2, "bound": 2}
-    assert (sglang_hook._STATE.ours, sglang_hook._STATE.fallbacks) == (2 * len(layers), 0)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_hook_serves_fp8_checkpoint_layers(sgl, device):
     """An FP8 checkpoint's attention layers carry k_scale = v_scale = 1.0 (SGLang's Fp8Config
@@ -2853,18 +2824,21 @@ def test_hook_routes_only_verify(sgl, spy):
 
 
 def test_hook_converts_mask_once_per_step(sgl, monkeypatch):
+    """What every layer of a step shares (the mask conversion, the longest prefix) is worked
+    out by the step's first layer call only."""
     srv = hook_server(sgl, "cpu", layers=3)
     g = torch.Generator().manual_seed(3)
     srv.runner.fill(g)
     sglang_hook.install("on")
-    n = []
-    real = kdtree_ops.sglang_mask_to_packed
+    n, bounds = [], []
+    real, bound = kdtree_ops.sglang_mask_to_packed, sglang_hook._prefix_bound
     monkeypatch.setattr(kdtree_ops, "sglang_mask_to_packed", lambda *a, **kw: n.append(1) or real(*a, **kw))
+    monkeypatch.setattr(sglang_hook, "_prefix_bound", lambda *a, **kw: bounds.append(1) or bound(*a, **kw))
     for prefix_lens in ([4, 8], [9, 1, 3]):
         step = sgl.verify_step(srv.runner, prefix_lens, hook_spec(srv, prefix_lens, g), generator=g)
         srv.runner.backend.init_forward_metadata(step.fb)
         check_served_layers(srv, step, [srv.runner.layer(i) for i in range(3)], ROW_TOL["cpu"])
-    assert len(n) == 2
+    assert len(n) == 2 and len(bounds) == 2
 
 
 def _kv_scales(k_scale, v_scale):
