@@ -3089,7 +3089,8 @@ def test_hook_cuda_graph_capture_and_replay(sgl, kind, pool, page_size):
     scales, with 1.0 and with 0.37, each baked into the graph as SGLang bakes it) the replay
     saves SGLang's bytes and its output is the attention over the dequantized rows: SGLang's
     own fp8 Triton kernel rounds q and the softmax weights to e4m3, so it is no reference.
-    Page size 64: the prefixes' pages load as the Hopper kernel's tensor-map boxes."""
+    Page size 64: every full 64-key tile of a prefix is one page, the case the Hopper kernel
+    loads as tensor-map boxes."""
     fp8 = pool == "fp8"
     srv = hook_server(sgl, "cuda", kind, N=9, layers=3, heads=16, pool_size=1 << 16, max_context=8192,
                       kv_dtype=torch.float8_e4m3fn if fp8 else None, page_size=page_size)
